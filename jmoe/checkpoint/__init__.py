@@ -1,0 +1,3 @@
+"""Orbax checkpoints of the train state."""
+
+from jmoe.checkpoint.manager import Checkpointer

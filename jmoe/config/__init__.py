@@ -1,0 +1,7 @@
+"""Configuration: typed dataclasses, loading with overrides, validation."""
+
+from jmoe.config.load import apply_overrides, from_config_dict, load_config, read_config_file
+from jmoe.config.schema import (BalanceConfig, CheckpointConfig, Config, DataConfig, DenseLayout,
+                                MoEConfig, ModelConfig, ParallelConfig, PrecisionConfig,
+                                RouterConfig, TrainConfig, to_dict)
+from jmoe.config.validate import ConfigError, validate

@@ -1,0 +1,123 @@
+"""From a config file plus command-line overrides to a validated, frozen `Config`.
+
+Config files are Python files whose `get_config()` returns an `ml_collections.ConfigDict`; any key can
+be overridden as `--config.group.key=value`. Unknown keys are errors: a typo never trains silently
+with a default.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import pathlib
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+import ml_collections
+
+from jmoe.config.schema import Config
+from jmoe.config.validate import ConfigError, validate
+
+
+def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:
+  """Reads `path`'s get_config(), applies `a.b=value` overrides, converts and validates."""
+  config_dict = read_config_file(path)
+  apply_overrides(config_dict, overrides)
+  return from_config_dict(config_dict)
+
+
+def read_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/*.py")
+  spec = importlib.util.spec_from_file_location(f"jmoe_user_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  if not hasattr(module, "get_config"):
+    raise ConfigError(f"{path} has no get_config() function returning an ml_collections.ConfigDict")
+  return module.get_config()
+
+
+def apply_overrides(config_dict: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
+  """Applies overrides of the form `group.key=value` (a leading `--config.` is accepted too)."""
+  for override in overrides:
+    text = override.removeprefix("--").removeprefix("config.")
+    if "=" not in text:
+      raise ConfigError(f"override {override!r} must look like --config.group.key=value")
+    dotted, raw = text.split("=", 1)
+    *parents, leaf = dotted.split(".")
+    node = config_dict
+    for i, name in enumerate(parents):
+      if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+        raise ConfigError(f"override {override!r}: no config group {'.'.join(parents[:i + 1])!r}")
+      node = node[name]
+    if leaf not in node:
+      raise ConfigError(
+          f"override {override!r}: unknown key {dotted!r}; keys of this group: {sorted(node.keys())}")
+    node[leaf] = _parse_value(raw, node[leaf], dotted)
+
+
+def _parse_value(raw: str, current: Any, dotted: str) -> Any:
+  if isinstance(current, str):
+    return raw
+  try:
+    value = ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    value = raw
+  if isinstance(current, bool) and not isinstance(value, bool):
+    raise ConfigError(f"--config.{dotted} takes True or False, not {raw!r}")
+  if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+    value = float(value)
+  if current is not None and not isinstance(value, type(current)):
+    raise ConfigError(f"--config.{dotted} takes a {type(current).__name__}, not {raw!r}")
+  return value
+
+
+def from_config_dict(config_dict: ml_collections.ConfigDict | Mapping) -> Config:
+  """Converts a (possibly partial) nested mapping into the frozen dataclasses, then validates."""
+  config = _build(Config, _as_dict(config_dict), prefix="")
+  validate(config)
+  return config
+
+
+def _as_dict(value: Any) -> Any:
+  if isinstance(value, ml_collections.ConfigDict):
+    return value.to_dict()
+  return value
+
+
+def _build(cls: type, values: Mapping[str, Any], prefix: str) -> Any:
+  if not isinstance(values, Mapping):
+    raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a group of keys, got {values!r}")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  unknown = sorted(set(values) - set(fields))
+  if unknown:
+    raise ConfigError(
+        f"unknown config key(s) {[prefix + k for k in unknown]}; "
+        f"the keys of {prefix.rstrip('.') or 'the config'} are {sorted(fields)}")
+  kwargs = {}
+  for name, value in values.items():
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint):
+      kwargs[name] = _build(hint, _as_dict(value), prefix=f"{prefix}{name}.")
+    else:
+      kwargs[name] = _check_type(value, hint, prefix + name)
+  return cls(**kwargs)
+
+
+def _check_type(value: Any, hint: Any, key: str) -> Any:
+  allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+  if value is None and type(None) in allowed:
+    return value
+  for kind in allowed:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+      return float(value)
+    if kind is int and isinstance(value, bool):
+      continue
+    if isinstance(kind, type) and isinstance(value, kind):
+      return value
+  names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+  raise ConfigError(f"config key {key!r} must be a {names}, got {value!r}")

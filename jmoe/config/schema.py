@@ -1,0 +1,112 @@
+"""Typed, frozen configuration: one dataclass per concern.
+
+The ml_collections file a user writes is converted into these once (see `load.py`); modules take
+only the sub-config they need, never the whole tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+  vocab_size: int = 264
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 8
+  num_kv_heads: int = 4
+  head_dim: int = 16
+  d_ff: int = 512  # hidden size of the dense MLP (the first_k_dense layers)
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+  score: str = "softmax"  # softmax over all experts, then top-k
+  norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to one
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+  aux_loss_coef: float = 0.01  # Switch-style load-balancing loss, per MoE layer
+  z_loss_coef: float = 0.0  # router z-loss (mean squared logsumexp of the router logits)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+  num_experts: int = 8
+  top_k: int = 2
+  d_ff_expert: int = 128
+  num_shared_experts: int = 0  # always-on experts of size d_ff_expert, summed into the output
+  first_k_dense: int = 0  # the first k layers use a dense MLP instead of experts
+  gemm: str = "auto"  # grouped GEMM backend: auto | ragged_dot | dense
+  router: RouterConfig = field(default_factory=RouterConfig)
+  balance: BalanceConfig = field(default_factory=BalanceConfig)
+
+
+@dataclass(frozen=True)
+class DenseLayout:
+  data: int = -1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+  dense: DenseLayout = field(default_factory=DenseLayout)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 100
+  batch_size: int = 16  # global, in sequences
+  micro_batch_size: int = 0  # 0: the whole batch at once; else gradients accumulate over micro-batches
+  seed: int = 0
+  lr: float = 3e-3
+  min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at the last step
+  warmup_steps: int = 20
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+  log_every: int = 10
+  remat: str = "none"  # none | full
+
+
+@dataclass(frozen=True)
+class DataConfig:
+  source: str = "stdlib"  # the Python standard library's own sources, present on every machine
+  seq_len: int = 256
+  max_corpus_bytes: int = 16_000_000
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+  params: str = "float32"  # storage dtype of the parameters (and so of the optimizer's master copy)
+  compute: str = "bfloat16"  # dtype of activations and GEMM inputs; router and losses stay float32
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0  # 0: only the final save
+  keep: int = 3
+
+
+@dataclass(frozen=True)
+class Config:
+  model: ModelConfig = field(default_factory=ModelConfig)
+  moe: MoEConfig = field(default_factory=MoEConfig)
+  parallel: ParallelConfig = field(default_factory=ParallelConfig)
+  train: TrainConfig = field(default_factory=TrainConfig)
+  data: DataConfig = field(default_factory=DataConfig)
+  precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+  checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def to_dict(config) -> dict:
+  """A plain nested dict (JSON-ready) of any config dataclass."""
+  return dataclasses.asdict(config)

@@ -1,0 +1,99 @@
+"""Checks on a whole `Config`, once, with messages that name the key and say what to change.
+
+Checks that need the devices (does a layout fit them?) live with the mesh in jmoe/parallel/.
+"""
+
+from __future__ import annotations
+
+from jmoe.config.schema import Config
+
+GEMM_BACKENDS = ("auto", "ragged_dot", "dense")
+ROUTER_SCORES = ("softmax",)
+REMAT_POLICIES = ("none", "full")
+DTYPES = ("float32", "bfloat16")
+DATA_SOURCES = ("stdlib",)
+BYTE_VOCAB = 258  # 256 bytes, end-of-document, padding: see jmoe/data/tokenizer.py
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message says which key and what to do."""
+
+
+def validate(config: Config) -> None:
+  problems = [*_model(config), *_moe(config), *_train(config), *_data(config), *_other(config)]
+  if problems:
+    raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _positive(group: str, obj, *names: str):
+  for name in names:
+    if getattr(obj, name) <= 0:
+      yield f"{group}.{name} must be positive, got {getattr(obj, name)}"
+
+
+def _one_of(key: str, value, allowed):
+  if value not in allowed:
+    yield f"{key} must be one of {list(allowed)}, got {value!r}"
+
+
+def _model(config: Config):
+  m = config.model
+  yield from _positive("model", m, "vocab_size", "d_model", "num_layers", "num_heads",
+                       "num_kv_heads", "head_dim", "d_ff", "rope_theta", "norm_eps", "init_std")
+  if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
+    yield (f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads "
+           f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
+  if m.head_dim % 2:
+    yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
+
+
+def _moe(config: Config):
+  moe = config.moe
+  yield from _positive("moe", moe, "num_experts", "top_k", "d_ff_expert")
+  if moe.top_k > moe.num_experts:
+    yield (f"moe.top_k ({moe.top_k}) is larger than moe.num_experts ({moe.num_experts}); "
+           f"choose top_k <= num_experts")
+  if moe.num_shared_experts < 0:
+    yield f"moe.num_shared_experts must be >= 0, got {moe.num_shared_experts}"
+  if not 0 <= moe.first_k_dense < config.model.num_layers:
+    yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers) = "
+           f"[0, {config.model.num_layers}) so that at least one layer has experts")
+  yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
+  yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
+  for name in ("aux_loss_coef", "z_loss_coef"):
+    if getattr(moe.balance, name) < 0:
+      yield f"moe.balance.{name} must be >= 0, got {getattr(moe.balance, name)}"
+
+
+def _train(config: Config):
+  t = config.train
+  yield from _positive("train", t, "steps", "batch_size", "log_every", "lr")
+  micro = t.micro_batch_size or t.batch_size
+  if micro <= 0 or t.batch_size % micro:
+    yield (f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
+           f"({t.micro_batch_size}); use a divisor of the batch size, or 0 for no accumulation")
+  if not 0 <= t.warmup_steps < t.steps:
+    yield f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps) = [0, {t.steps})"
+  if not 0 <= t.min_lr_ratio <= 1:
+    yield f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"
+  if t.grad_clip < 0 or t.weight_decay < 0:
+    yield "train.grad_clip and train.weight_decay must be >= 0"
+  yield from _one_of("train.remat", t.remat, REMAT_POLICIES)
+
+
+def _data(config: Config):
+  d = config.data
+  yield from _positive("data", d, "seq_len", "max_corpus_bytes")
+  yield from _one_of("data.source", d.source, DATA_SOURCES)
+  if d.source == "stdlib" and config.model.vocab_size < BYTE_VOCAB:
+    yield (f"model.vocab_size ({config.model.vocab_size}) is smaller than the byte tokenizer's "
+           f"{BYTE_VOCAB} ids; use at least {BYTE_VOCAB} (a multiple of 8 such as 264 shards best)")
+
+
+def _other(config: Config):
+  yield from _one_of("precision.params", config.precision.params, DTYPES)
+  yield from _one_of("precision.compute", config.precision.compute, DTYPES)
+  if config.parallel.dense.data == 0 or config.parallel.dense.data < -1:
+    yield f"parallel.dense.data must be -1 (all devices) or positive, got {config.parallel.dense.data}"
+  if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
+    yield "checkpoint.every must be >= 0 and checkpoint.keep >= 1"

@@ -1,0 +1,40 @@
+"""Causal grouped-query attention with rotary embeddings.
+
+The kernel is `jax.nn.dot_product_attention`, which runs cuDNN's fused attention on NVIDIA GPUs and
+XLA's elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.model.layers import param
+from jmoe.model.rope import apply_rope
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.dtype = dtype
+    d, h, g, a = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    std = cfg.init_std
+    self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", "head_dim"), std=std, dtype=param_dtype)
+    self.w_k_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), std=std,
+                         dtype=param_dtype)
+    self.w_v_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), std=std,
+                         dtype=param_dtype)
+    self.w_o_HAD = param(rngs, (h, a, d), ("heads", "head_dim", "embed"), std=std, dtype=param_dtype)
+
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+    dt = self.dtype
+    q_BSHA = jnp.einsum("bsd,dha->bsha", x_BSD, self.w_q_DHA[...].astype(dt))
+    k_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_k_DGA[...].astype(dt))
+    v_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_v_DGA[...].astype(dt))
+    q_BSHA = apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta)
+    k_BSGA = apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta)
+    out_BSHA = jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True)
+    return jnp.einsum("bsha,had->bsd", out_BSHA, self.w_o_HAD[...].astype(dt))

@@ -1,0 +1,34 @@
+"""A pre-norm transformer block: attention, then a dense MLP or an MoE layer."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from jmoe.config import ModelConfig, MoEConfig
+from jmoe.model.attention import Attention
+from jmoe.model.layers import RMSNorm
+from jmoe.model.mlp import SwiGLU
+from jmoe.moe.layer import MoE
+
+
+class Block(nnx.Module):
+  """With `moe=None` the block's MLP is dense (d_ff wide); otherwise it is an MoE layer."""
+
+  def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, param_dtype, dtype,
+               rngs: nnx.Rngs):
+    kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+    self.attn = Attention(cfg, dtype=dtype, **kw)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+    if moe is None:
+      self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, dtype=dtype, **kw)
+    else:
+      self.mlp = MoE(cfg.d_model, moe, cfg.init_std, dtype=dtype, **kw)
+
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array):
+    """Returns the block's output and, for an MoE block, its router stats (else None)."""
+    x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS)
+    out = self.mlp(self.mlp_norm(x_BSD))
+    y_BSD, stats = out if isinstance(self.mlp, MoE) else (out, None)
+    return x_BSD + y_BSD, stats

@@ -1,0 +1,40 @@
+"""Layers stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not
+grow with depth."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from flax import nnx
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
+               rngs: nnx.Rngs) -> nnx.Module:
+  """Builds `num_layers` independent layers as one module whose parameters have a leading axis."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=0, out_axes=0,
+            transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"})
+  def create(rngs: nnx.Rngs) -> nnx.Module:
+    return make_layer(rngs)
+
+  return create(rngs)
+
+
+def run_stack(stack: nnx.Module, x, *args, remat: str = "none"):
+  """Runs x through every layer: `x, y = layer(x, *args)`; returns the last x and the stacked ys."""
+  graphdef, state = nnx.split(stack)
+
+  def body(carry, layer_state):
+    return nnx.merge(graphdef, layer_state)(carry, *args)
+
+  policy = REMAT_POLICIES[remat]
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  return jax.lax.scan(body, x, state)

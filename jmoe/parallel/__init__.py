@@ -1,0 +1,6 @@
+"""The device mesh and the logical-axis rules that place parameters and activations on it.
+
+Mesh axis names appear only here (and inside `shard_map` bodies); model code speaks logical names.
+"""
+
+from jmoe.parallel.mesh import Layout, make_layout

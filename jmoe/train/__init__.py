@@ -1,0 +1,1 @@
+"""Training: state, optimizer, losses, the jitted step, the loop, metrics."""

@@ -1,0 +1,56 @@
+"""Where metrics go: `<workdir>/metrics.jsonl`, TensorBoard events, and the terminal."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import tqdm.auto as tqdm
+from tensorboardX import SummaryWriter
+
+
+def summarize(raw: dict[str, Any], step: int) -> dict[str, Any]:
+  """Device metrics (already fetched to host) -> one JSON-ready record."""
+  record: dict[str, Any] = {"step": step}
+  for name, value in raw.items():
+    value = np.asarray(value)
+    record[name] = value.tolist() if value.ndim else float(value)
+  load_LE = np.asarray(raw["expert_load"])
+  # Busiest expert's share over the balanced share, per layer; 1.0 is perfect balance.
+  imbalance_L = load_LE.max(axis=-1) * load_LE.shape[-1]
+  record["expert_load_max_over_mean"] = float(imbalance_L.max())
+  return record
+
+
+class MetricsWriter:
+
+  def __init__(self, workdir: pathlib.Path, total_steps: int, start_step: int = 0,
+               progress: bool = True):
+    workdir.mkdir(parents=True, exist_ok=True)
+    self._jsonl = open(workdir / "metrics.jsonl", "a")
+    self._tb = SummaryWriter(str(workdir / "tensorboard"))
+    self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not progress,
+                          dynamic_ncols=True, desc="train")
+    self._last_step = start_step
+
+  def write(self, record: dict[str, Any]) -> None:
+    step = record["step"]
+    self._jsonl.write(json.dumps(record) + "\n")
+    self._jsonl.flush()
+    for name, value in record.items():
+      if name != "step" and isinstance(value, float):
+        self._tb.add_scalar(name, value, step)
+    for layer, load_E in enumerate(record.get("expert_load", [])):
+      self._tb.add_histogram(f"expert_load/moe_layer_{layer}", np.asarray(load_E), step,
+                             bins=len(load_E))
+    self._bar.update(step - self._last_step)
+    self._last_step = step
+    self._bar.set_postfix(loss=f"{record['loss']:.3f}", aux=f"{record['aux_loss']:.4f}",
+                          tok_s=f"{record.get('tokens_per_s', 0):.0f}")
+
+  def close(self) -> None:
+    self._bar.close()
+    self._tb.close()
+    self._jsonl.close()

@@ -1,0 +1,60 @@
+"""The train state: parameters, optimizer state, step; created directly in its final placement."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from jmoe.config import Config
+from jmoe.model.transformer import Transformer
+from jmoe.parallel import Layout
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: nnx.State  # trainable (nnx.Param) variables
+  rest: nnx.State  # every other model variable (none yet; kept so the model split is total)
+  opt_state: Any
+
+
+def model_factory(config: Config, seed: int | None = None) -> Callable[[], Transformer]:
+  """A zero-argument constructor for the model the config describes."""
+  seed = config.train.seed if seed is None else seed
+
+  def build() -> Transformer:
+    return Transformer(config.model, config.moe, param_dtype=DTYPES[config.precision.params],
+                       dtype=DTYPES[config.precision.compute], remat=config.train.remat,
+                       rngs=nnx.Rngs(params=seed))
+
+  return build
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSpec:
+  """Everything about the train state except its values: how to build it and where it lives."""
+  graphdef: nnx.GraphDef
+  abstract: TrainState  # ShapeDtypeStructs
+  shardings: TrainState  # NamedShardings
+  init: Callable[[], TrainState]  # jitted; builds the state directly in its sharded placement
+
+
+def state_spec(config: Config, layout: Layout, optimizer: optax.GradientTransformation) -> StateSpec:
+  build = model_factory(config)
+
+  def init() -> TrainState:
+    _, params, rest = nnx.split(build(), nnx.Param, ...)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                      opt_state=optimizer.init(params))
+
+  abstract = jax.eval_shape(init)
+  shardings = layout.shardings(abstract)
+  return StateSpec(graphdef=nnx.graphdef(nnx.eval_shape(build)), abstract=abstract,
+                   shardings=shardings, init=jax.jit(init, out_shardings=shardings))

@@ -1,0 +1,71 @@
+"""The jitted training step: forward and backward over micro-batches, one optimizer update."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jmoe.config import Config
+from jmoe.train.loss import balance_losses, cross_entropy_sum
+from jmoe.train.state import TrainState
+
+
+def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
+  """loss(params, rest, tokens_BS1, num_targets, num_micro) -> (loss, metrics) for one micro-batch.
+
+  The micro-batch's share of the global loss: its summed token losses over all targets of the
+  global batch, plus its balancing terms over the number of micro-batches.
+  """
+
+  def loss_fn(params, rest, tokens_BS1, num_targets, num_micro):
+    model = nnx.merge(graphdef, params, rest)
+    logits_BSV, stats = model(tokens_BS1[:, :-1])
+    lm_loss = cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:]) / num_targets
+    aux_loss, z_loss = balance_losses(stats, config.moe.balance)
+    aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
+    metrics = {"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
+               "expert_load": stats.load_E / num_micro}
+    return lm_loss + aux_loss + z_loss, metrics
+
+  return loss_fn
+
+
+def make_train_step(graphdef: nnx.GraphDef, config: Config,
+                    optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple]:
+  grad_fn = jax.value_and_grad(make_loss_fn(graphdef, config), has_aux=True)
+  micro = config.train.micro_batch_size or config.train.batch_size
+  num_micro = config.train.batch_size // micro
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    tokens_BS1 = batch["tokens"]
+    num_targets = tokens_BS1.shape[0] * (tokens_BS1.shape[1] - 1)
+
+    def one(tokens):
+      (loss, metrics), grads = grad_fn(state.params, state.rest, tokens, num_targets, num_micro)
+      return grads, {"loss": loss, **metrics}
+
+    if num_micro == 1:
+      grads, metrics = one(tokens_BS1)
+    else:
+      tokens_MBS1 = tokens_BS1.reshape(num_micro, micro, -1)
+
+      def accumulate(carry, tokens):
+        grads, metrics = one(tokens)
+        return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, tokens_MBS1[0]))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, tokens_MBS1)
+
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = schedule(state.step)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+  return train_step

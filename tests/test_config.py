@@ -1,0 +1,71 @@
+import pathlib
+
+import pytest
+
+from jmoe.config import ConfigError, load_config
+from helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY_FILE = ROOT / "configs" / "tiny_moe.py"
+
+
+def test_tiny_config_file_loads_and_divides_by_eight():
+  config = load_config(TINY_FILE)
+  assert config.moe.num_experts % 8 == 0
+  assert config.model.num_heads % 8 == 0
+  assert config.train.batch_size % 8 == 0
+
+
+def test_overrides_are_typed():
+  config = load_config(TINY_FILE, ["--config.train.steps=70", "config.train.lr=1e-3",
+                                   "--config.model.tie_embeddings=True", "--config.moe.gemm=dense",
+                                   "--config.moe.balance.aux_loss_coef=0"])
+  assert config.train.steps == 70
+  assert config.train.lr == 1e-3
+  assert config.model.tie_embeddings is True
+  assert config.moe.gemm == "dense"
+  assert config.moe.balance.aux_loss_coef == 0.0 and isinstance(config.moe.balance.aux_loss_coef,
+                                                                float)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.train.stepz=3", "unknown key 'train.stepz'"),
+    ("--config.trian.steps=3", "no config group 'trian'"),
+    ("--config.train.steps=many", "train.steps takes a int"),
+    ("--config.model.tie_embeddings=1", "takes True or False"),
+    ("--config.train.steps", "must look like"),
+])
+def test_bad_overrides(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(TINY_FILE, [override])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(moe=dict(top_k=9)), r"moe.top_k \(9\) is larger than moe.num_experts \(8\)"),
+    (dict(model=dict(num_heads=6, num_kv_heads=4)),
+     r"model.num_heads \(6\) must be a multiple of model.num_kv_heads \(4\)"),
+    (dict(model=dict(head_dim=7)), "head_dim must be even"),
+    (dict(moe=dict(first_k_dense=3)), r"moe.first_k_dense \(3\) must be in \[0, model.num_layers\)"),
+    (dict(train=dict(batch_size=8, micro_batch_size=3)),
+     r"train.batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
+    (dict(model=dict(vocab_size=200)), r"model.vocab_size \(200\) is smaller than"),
+    (dict(moe=dict(gemm="cublas")), "moe.gemm must be one of"),
+    (dict(precision=dict(compute="float16")), "precision.compute must be one of"),
+    (dict(train=dict(warmup_steps=8)), r"train.warmup_steps \(8\) must be in"),
+    (dict(model=dict(extra=1)), r"unknown config key\(s\) \['model.extra'\]"),
+    (dict(model=dict(d_model="wide")), "'model.d_model' must be a int"),
+])
+def test_bad_configs_name_the_key(overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    tiny_config(**overrides)
+
+
+def test_all_problems_reported_together():
+  with pytest.raises(ConfigError) as info:
+    tiny_config(moe=dict(top_k=9), model=dict(head_dim=7))
+  assert "top_k" in str(info.value) and "head_dim" in str(info.value)
+
+
+def test_missing_config_file():
+  with pytest.raises(ConfigError, match="does not exist"):
+    load_config("configs/nope.py")

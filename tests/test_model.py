@@ -1,0 +1,98 @@
+"""Properties of the whole model: causality, variants, remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmoe.model.transformer import Transformer
+from jmoe.train.state import model_factory
+from helpers import tiny_config
+
+
+def tokens(seed=0, batch=2, seq=24):
+  return jax.random.randint(jax.random.key(seed), (batch, seq), 0, 256)
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    dict(model=dict(tie_embeddings=True), moe=dict(num_shared_experts=2, first_k_dense=0)),
+])
+def test_future_tokens_do_not_change_past_logits(variant):
+  model = model_factory(tiny_config(**variant))()
+  toks = tokens()
+  logits, _ = model(toks)
+  cut = 10
+  changed = toks.at[:, cut:].set((toks[:, cut:] + 7) % 256)
+  logits2, _ = model(changed)
+  np.testing.assert_array_equal(logits[:, :cut], logits2[:, :cut])
+  assert not np.allclose(logits[:, cut:], logits2[:, cut:])
+
+
+def test_no_gradient_flows_from_the_future():
+  model = model_factory(tiny_config())()
+  x = model.embed(tokens())
+
+  def logit_at(x_BSD, pos):
+    # Run the stacks on embeddings directly so the gradient is taken w.r.t. each position's input.
+    from jmoe.model.stack import run_stack
+    positions = jnp.broadcast_to(jnp.arange(x_BSD.shape[1]), x_BSD.shape[:2])
+    h, _ = run_stack(model.dense_blocks, x_BSD, positions)
+    h, _ = run_stack(model.moe_blocks, h, positions)
+    return jnp.sum(h[:, pos])
+
+  grad = jax.grad(logit_at)(x, 9)
+  per_position = np.abs(np.asarray(grad)).sum(axis=(0, 2))
+  assert np.all(per_position[10:] == 0)
+  assert np.all(per_position[:10] > 0)
+
+
+def test_router_stats_per_moe_layer():
+  config = tiny_config()
+  _, stats = model_factory(config)()(tokens())
+  moe_layers = config.model.num_layers - config.moe.first_k_dense
+  assert stats.load_E.shape == (moe_layers, config.moe.num_experts)
+  np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
+
+
+def test_full_remat_equals_no_remat():
+  def loss_and_grads(remat):
+    model = model_factory(tiny_config(train=dict(remat=remat)))()
+
+    def loss(m):
+      logits, stats = m(tokens())
+      return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(stats.aux_loss)
+
+    return nnx.value_and_grad(loss)(model)
+
+  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads("full")
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_compute_tracks_float32():
+  toks = tokens()
+  ref, _ = model_factory(tiny_config())()(toks)
+  low, _ = model_factory(tiny_config(precision=dict(compute="bfloat16")))()(toks)
+  assert low.dtype == jnp.float32  # logits come back in float32 whatever the compute dtype
+  # bf16 has 8 bits of mantissa: differences of a few 1e-2 on O(1) logits, not more.
+  assert float(jnp.max(jnp.abs(low - ref))) < 0.1
+  assert float(jnp.max(jnp.abs(ref))) > 0.1
+
+
+def test_parameter_count_matches_formula():
+  config = tiny_config()
+  m, moe = config.model, config.moe
+  model = model_factory(config)()
+  count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
+  dense_mlp = 3 * m.d_model * m.d_ff
+  moe_mlp = m.d_model * moe.num_experts + 3 * moe.num_experts * m.d_model * moe.d_ff_expert
+  norms = 2 * m.d_model
+  expected = (2 * m.vocab_size * m.d_model + m.d_model
+              + moe.first_k_dense * (attn + dense_mlp + norms)
+              + (m.num_layers - moe.first_k_dense) * (attn + moe_mlp + norms))
+  assert count == expected
+  assert isinstance(model, Transformer)
