@@ -12,10 +12,11 @@ def get_config() -> ml_collections.ConfigDict:
                  head_dim=16, d_ff=512, rope_theta=10_000.0, norm_eps=1e-6,
                  tie_embeddings=False, init_std=0.02)
   c.moe = dict(num_experts=8, top_k=2, d_ff_expert=128, num_shared_experts=0, first_k_dense=1,
-               gemm="auto",
+               dispatcher="allgather", gemm="auto",
                router=dict(score="softmax", norm_topk_prob=True),
                balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001))
-  c.parallel = dict(dense=dict(data=-1))
+  c.parallel = dict(dense=dict(data=-1, fsdp=1, context=1, tensor=1),
+                    expert=dict(data=-1, expert=1, tensor=1))
   c.train = dict(steps=400, batch_size=16, micro_batch_size=0, seed=0, lr=3e-3,
                  min_lr_ratio=0.1, warmup_steps=30, weight_decay=0.1, b1=0.9, b2=0.95,
                  eps=1e-8, grad_clip=1.0, log_every=20, remat="none")

@@ -44,6 +44,7 @@ class MoEConfig:
   d_ff_expert: int = 128
   num_shared_experts: int = 0  # always-on experts of size d_ff_expert, summed into the output
   first_k_dense: int = 0  # the first k layers use a dense MLP instead of experts
+  dispatcher: str = "allgather"  # how tokens reach experts on other devices: allgather | alltoall
   gemm: str = "auto"  # grouped GEMM backend: auto | ragged_dot | dense
   router: RouterConfig = field(default_factory=RouterConfig)
   balance: BalanceConfig = field(default_factory=BalanceConfig)
@@ -51,12 +52,25 @@ class MoEConfig:
 
 @dataclass(frozen=True)
 class DenseLayout:
-  data: int = -1
+  """How attention and dense layers use the devices; the product is the device count (-1: the rest)."""
+  data: int = -1  # replicas, each with a slice of the batch
+  fsdp: int = 1  # like data, but parameters and optimizer state are sharded too
+  context: int = 1  # the sequence split across devices
+  tensor: int = 1  # heads and MLP width split across devices (with sequence-parallel norms)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+  """How expert layers use the same devices; the product is the device count (-1: the rest)."""
+  data: int = -1  # expert-data parallelism: replicas of each expert (their parameters FSDP-sharded)
+  expert: int = 1  # experts split across devices
+  tensor: int = 1  # each expert's FFN width split across devices
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
   dense: DenseLayout = field(default_factory=DenseLayout)
+  expert: ExpertLayout = field(default_factory=ExpertLayout)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from jmoe.config.schema import Config
 
 GEMM_BACKENDS = ("auto", "ragged_dot", "dense")
+DISPATCHERS = ("allgather", "alltoall")
 ROUTER_SCORES = ("softmax",)
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
@@ -59,6 +60,7 @@ def _moe(config: Config):
     yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers) = "
            f"[0, {config.model.num_layers}) so that at least one layer has experts")
   yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
+  yield from _one_of("moe.dispatcher", moe.dispatcher, DISPATCHERS)
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
   for name in ("aux_loss_coef", "z_loss_coef"):
     if getattr(moe.balance, name) < 0:
@@ -93,7 +95,16 @@ def _data(config: Config):
 def _other(config: Config):
   yield from _one_of("precision.params", config.precision.params, DTYPES)
   yield from _one_of("precision.compute", config.precision.compute, DTYPES)
-  if config.parallel.dense.data == 0 or config.parallel.dense.data < -1:
-    yield f"parallel.dense.data must be -1 (all devices) or positive, got {config.parallel.dense.data}"
+  for group in ("dense", "expert"):
+    layout = getattr(config.parallel, group)
+    sizes = {k: v for k, v in vars(layout).items()}
+    for name, size in sizes.items():
+      if size == 0 or size < -1:
+        yield f"parallel.{group}.{name} must be -1 (the rest of the devices) or positive, got {size}"
+    if list(sizes.values()).count(-1) > 1:
+      yield f"parallel.{group}: at most one size may be -1, got {sizes}"
+  if config.moe.num_experts % max(config.parallel.expert.expert, 1):
+    yield (f"moe.num_experts ({config.moe.num_experts}) must be a multiple of "
+           f"parallel.expert.expert ({config.parallel.expert.expert})")
   if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
     yield "checkpoint.every must be >= 0 and checkpoint.keep >= 1"

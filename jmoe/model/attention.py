@@ -13,6 +13,11 @@ from flax import nnx
 from jmoe.config import ModelConfig
 from jmoe.model.layers import param
 from jmoe.model.rope import apply_rope
+from jmoe.parallel import constrain
+
+# Queries are split over context devices; keys and values are gathered whole along the sequence.
+Q_AXES = ("act_batch", "act_seq", "act_heads", None)
+KV_AXES = ("act_batch", None, "act_kv_heads", None)
 
 
 class Attention(nnx.Module):
@@ -34,7 +39,9 @@ class Attention(nnx.Module):
     q_BSHA = jnp.einsum("bsd,dha->bsha", x_BSD, self.w_q_DHA[...].astype(dt))
     k_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_k_DGA[...].astype(dt))
     v_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_v_DGA[...].astype(dt))
-    q_BSHA = apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta)
-    k_BSGA = apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta)
-    out_BSHA = jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True)
+    q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta), Q_AXES)
+    k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta), KV_AXES)
+    v_BSGA = constrain(v_BSGA, KV_AXES)
+    out_BSHA = constrain(jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True),
+                         Q_AXES)
     return jnp.einsum("bsha,had->bsd", out_BSHA, self.w_o_HAD[...].astype(dt))

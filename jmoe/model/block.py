@@ -10,6 +10,10 @@ from jmoe.model.attention import Attention
 from jmoe.model.layers import RMSNorm
 from jmoe.model.mlp import SwiGLU
 from jmoe.moe.layer import MoE
+from jmoe.parallel import constrain
+
+# The residual stream between blocks: sequence-parallel over context and tensor devices.
+RESIDUAL_AXES = ("act_batch", "act_seq_sp", None)
 
 
 class Block(nnx.Module):
@@ -28,7 +32,7 @@ class Block(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array):
     """Returns the block's output and, for an MoE block, its router stats (else None)."""
-    x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS)
+    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS), RESIDUAL_AXES)
     out = self.mlp(self.mlp_norm(x_BSD))
     y_BSD, stats = out if isinstance(self.mlp, MoE) else (out, None)
-    return x_BSD + y_BSD, stats
+    return constrain(x_BSD + y_BSD, RESIDUAL_AXES), stats

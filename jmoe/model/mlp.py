@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.model.layers import param
+from jmoe.parallel import constrain
 
 
 class SwiGLU(nnx.Module):
@@ -20,5 +21,6 @@ class SwiGLU(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
     h_BS2F = jnp.einsum("bsd,dcf->bscf", x_BSD, self.w_in_D2F[...].astype(self.dtype))
+    h_BS2F = constrain(h_BS2F, ("act_batch", "act_seq", None, "act_mlp"))
     h_BSF = jax.nn.silu(h_BS2F[:, :, 0]) * h_BS2F[:, :, 1]
     return jnp.einsum("bsf,fd->bsd", h_BSF, self.w_out_FD[...].astype(self.dtype))

@@ -7,10 +7,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
-from jmoe.model.block import Block
+from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm, param
 from jmoe.model.stack import make_stack, run_stack
 from jmoe.moe.route import RouterStats
+from jmoe.parallel import constrain
 
 
 class Transformer(nnx.Module):
@@ -37,7 +38,7 @@ class Transformer(nnx.Module):
     """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers)."""
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
-    x_BSD = self.embed(tokens_BS)
+    x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
     x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat)
@@ -46,4 +47,5 @@ class Transformer(nnx.Module):
       logits_BSV = self.embed.attend(x_BSD)
     else:
       logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_DV[...].astype(x_BSD.dtype))
+    logits_BSV = constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
     return logits_BSV.astype(jnp.float32), stats

@@ -9,8 +9,10 @@ from flax import nnx
 from jmoe.config import MoEConfig
 from jmoe.model.layers import param
 from jmoe.model.mlp import SwiGLU
+from jmoe.parallel import active_layout
 from jmoe.moe.combine import combine
 from jmoe.moe.dispatch import dispatch
+from jmoe.moe.exchange import sharded_experts
 from jmoe.moe.experts import expert_ffn, grouped_gemm
 from jmoe.moe.route import RouterStats, route
 
@@ -39,14 +41,22 @@ class MoE(nnx.Module):
       logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
                              self.router_DE[...].astype(jnp.float32))
       routing = route(logits_TE, self.cfg.router, self.cfg.top_k)
-    with jax.named_scope("dispatch"):
-      dispatched = dispatch(x_TD, routing.expert_ids_TK, self.cfg.num_experts)
-    with jax.named_scope("experts"):
-      y_XD = expert_ffn(dispatched.x_XD, dispatched.group_sizes_E,
-                        self.w_in_ED2F[...].astype(self.dtype),
-                        self.w_out_EFD[...].astype(self.dtype), grouped_gemm(self.cfg.gemm))
-    with jax.named_scope("combine"):
-      y_BSD = combine(y_XD, dispatched, routing.weights_TK).reshape(batch, seq, d_model)
+    w_in_ED2F = self.w_in_ED2F[...].astype(self.dtype)
+    w_out_EFD = self.w_out_EFD[...].astype(self.dtype)
+    gemm = grouped_gemm(self.cfg.gemm)
+    layout = active_layout()
+    if layout is None:  # everything on one device
+      with jax.named_scope("dispatch"):
+        dispatched = dispatch(x_TD, routing.expert_ids_TK, self.cfg.num_experts)
+      with jax.named_scope("experts"):
+        y_XD = expert_ffn(dispatched.x_XD, dispatched.group_sizes_E, w_in_ED2F, w_out_EFD, gemm)
+      with jax.named_scope("combine"):
+        y_TD = combine(y_XD, dispatched, routing.weights_TK)
+    else:
+      with jax.named_scope("expert_parallel"):
+        y_TD = sharded_experts(layout, self.cfg.dispatcher, x_TD, routing.expert_ids_TK,
+                               routing.weights_TK, w_in_ED2F, w_out_EFD, gemm)
+    y_BSD = y_TD.reshape(batch, seq, d_model)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
     return y_BSD, routing.stats

@@ -1,30 +1,47 @@
-"""One mesh over all devices, and the placement of parameters and batches on it."""
+"""The Layout: one mesh over all devices, and where parameters, batches and activations go on it."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Sequence
+import math
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jmoe.config import ConfigError, ParallelConfig
+from jmoe.config import ParallelConfig
+from jmoe.parallel import rules
+from jmoe.parallel.fold import Folding, fold
 
-DATA = "data"
 
-# Logical parameter axis -> mesh axes. Data parallelism replicates every parameter.
-PARAM_RULES: dict[str, tuple[str, ...]] = {}
+@dataclasses.dataclass(frozen=True)
+class ExpertAxes:
+  """Mesh axes of the expert layout, for the MoE layer's shard_map."""
+  tokens: tuple[str, ...]  # every mesh axis: tokens are split over all devices in the MoE layer
+  expert: tuple[str, ...]
+  tensor: tuple[str, ...]
+  num_expert_shards: int
+  num_tensor_shards: int
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
   mesh: Mesh
-  param_rules: dict[str, tuple[str, ...]]
+  folding: Folding
 
-  def spec(self, axes: Sequence[str | None]) -> P:
-    return P(*(self.param_rules.get(a) if a else None for a in axes))
+  # ---- parameters
+  def param_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
+    def mesh_axes(name):
+      if name in rules.EXPERT_PARAMS:
+        return self.folding.expert[rules.EXPERT_PARAMS[name]]
+      if name in rules.DENSE_PARAMS:
+        return self.folding.dense[rules.DENSE_PARAMS[name]]
+      return ()
+    return self._spec([mesh_axes(a) if a else () for a in axes], shape)
 
   def shardings(self, tree: Any) -> Any:
     """The same pytree with a NamedSharding for each array: nnx Variables (model and optimizer
@@ -33,15 +50,24 @@ class Layout:
     def one(leaf):
       if isinstance(leaf, nnx.Variable):
         axes = leaf.get_metadata().get("axes")
-        return leaf.replace(NamedSharding(self.mesh, self.spec(axes) if axes else P()))
+        spec = self.param_spec(axes, leaf.shape) if axes else P()
+        return leaf.replace(NamedSharding(self.mesh, spec))
       return NamedSharding(self.mesh, P())
 
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
+  # ---- activations and batches
+  def activation_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
+    groups = []
+    for a in axes:
+      roles = rules.DENSE_ACTIVATIONS[a] if a else ()
+      groups.append(tuple(ax for role in roles for ax in self.folding.dense[role]))
+    return self._spec(groups, shape)
+
   @property
   def batch(self) -> NamedSharding:
-    """Batches are split along their first (sequence) axis over the data-parallel devices."""
-    return NamedSharding(self.mesh, P(DATA))
+    """Batches: sequences split over the data and FSDP devices."""
+    return NamedSharding(self.mesh, P(self.folding.dense["data"] + self.folding.dense["fsdp"]))
 
   @property
   def replicated(self) -> NamedSharding:
@@ -49,16 +75,63 @@ class Layout:
 
   @property
   def data_parallel_size(self) -> int:
-    return self.mesh.shape[DATA]
+    return self.folding.dense_sizes["data"] * self.folding.dense_sizes["fsdp"]
+
+  @property
+  def expert_axes(self) -> ExpertAxes:
+    f = self.folding
+    return ExpertAxes(tokens=f.axis_names, expert=f.expert["expert"], tensor=f.expert["tensor"],
+                      num_expert_shards=f.expert_sizes["expert"],
+                      num_tensor_shards=f.expert_sizes["tensor"])
+
+  def describe(self) -> str:
+    """A table of the mesh axes and what each layout uses them for."""
+    f = self.folding
+    rows = [f"{'mesh axis':<16}{'size':>5}  {'dense role':<10}  expert role"]
+    for name, size in zip(f.axis_names, f.axis_sizes):
+      dense_role, expert_role = name.split("/")
+      rows.append(f"{name:<16}{size:>5}  {dense_role:<10}  {expert_role}")
+    sizes = lambda d: " x ".join(f"{k} {v}" for k, v in d.items() if v > 1) or "1 device"
+    rows.append(f"dense:  {sizes(f.dense_sizes)}")
+    rows.append(f"expert: {sizes(f.expert_sizes)}")
+    return "\n".join(rows)
+
+  def _spec(self, groups: Sequence[tuple[str, ...]], shape: Sequence[int]) -> P:
+    entries = []
+    for group, dim in zip(groups, shape):
+      size = math.prod(self.mesh.shape[a] for a in group)
+      group = tuple(a for a in group if self.mesh.shape[a] > 1)
+      entries.append(group if group and dim % size == 0 else None)
+    return P(*entries)
+
+  # ---- the layout in effect while a step is traced
+  @contextlib.contextmanager
+  def active(self) -> Iterator[Layout]:
+    token = _ACTIVE.set(self)
+    try:
+      yield self
+    finally:
+      _ACTIVE.reset(token)
+
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jmoe_layout", default=None)
+
+
+def active_layout() -> Layout | None:
+  return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """Pins an activation's placement by logical axis names; a no-op outside `Layout.active()`."""
+  layout = active_layout()
+  if layout is None:
+    return x
+  spec = layout.activation_spec(axes, x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
 def make_layout(cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Layout:
   devices = list(devices if devices is not None else jax.devices())
-  n = len(devices)
-  data = n if cfg.dense.data == -1 else cfg.dense.data
-  if data != n:
-    raise ConfigError(
-        f"parallel.dense.data ({cfg.dense.data}) must equal the device count ({n}); use -1 for "
-        f"all devices")
-  mesh = Mesh(np.asarray(devices).reshape(data), (DATA,))
-  return Layout(mesh=mesh, param_rules=PARAM_RULES)
+  folding = fold(cfg, len(devices))
+  mesh = Mesh(np.asarray(devices).reshape(folding.axis_sizes), folding.axis_names)
+  return Layout(mesh=mesh, folding=folding)

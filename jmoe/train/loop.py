@@ -26,7 +26,12 @@ def check_batch_fits(config: Config, layout: Layout) -> None:
   if micro % layout.data_parallel_size:
     raise ConfigError(
         f"the micro-batch ({micro} sequences: train.micro_batch_size, or train.batch_size when it "
-        f"is 0) must split evenly over the {layout.data_parallel_size} data-parallel devices")
+        f"is 0) must split evenly over the {layout.data_parallel_size} data x fsdp devices")
+  devices = layout.mesh.devices.size
+  if (micro * config.data.seq_len) % devices:
+    raise ConfigError(
+        f"the MoE layers split a micro-batch's {micro} x {config.data.seq_len} tokens over all "
+        f"{devices} devices; choose data.seq_len or the micro-batch so that they divide")
 
 
 def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True) -> list[dict]:
@@ -43,8 +48,8 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True)
   optimizer, schedule = make_optimizer(config.train), learning_rate(config.train)
   spec = state_spec(config, layout, optimizer)
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
-  log.info("%.2fM parameters on %d %s device(s), mesh %s", num_params / 1e6,
-           layout.mesh.devices.size, jax.default_backend(), dict(layout.mesh.shape))
+  log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
+           layout.mesh.devices.size, jax.default_backend(), layout.describe())
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep)
   start = checkpointer.latest_step()
   if start is None:
@@ -57,10 +62,11 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True)
   batch_of = lambda step: jax.device_put(sampler.batch(step, config.train.batch_size),
                                          layout.batch)
   t0 = time.perf_counter()
-  step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
-                    in_shardings=(spec.shardings, layout.batch),
-                    out_shardings=(spec.shardings, layout.replicated),
-                    donate_argnums=0).lower(state, batch_of(start)).compile()
+  with layout.active():  # the model's sharding annotations read the layout while tracing
+    step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
+                      in_shardings=(spec.shardings, layout.batch),
+                      out_shardings=(spec.shardings, layout.replicated),
+                      donate_argnums=0).lower(state, batch_of(start)).compile()
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
