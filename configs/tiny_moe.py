@@ -12,9 +12,12 @@ def get_config() -> ml_collections.ConfigDict:
                  head_dim=16, d_ff=512, rope_theta=10_000.0, norm_eps=1e-6,
                  tie_embeddings=False, init_std=0.02)
   c.moe = dict(num_experts=8, top_k=2, d_ff_expert=128, num_shared_experts=0, first_k_dense=1,
-               dispatcher="allgather", gemm="auto",
-               router=dict(score="softmax", norm_topk_prob=True),
-               balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001))
+               dispatcher="allgather", capacity_factor=None, drop_policy="probability",
+               gemm="auto",
+               router=dict(score="softmax", norm_topk_prob=True, scaling_factor=1.0,
+                           num_groups=1, topk_groups=1, bias=False, jitter=0.0),
+               balance=dict(aux_loss_coef=0.01, aux_loss_type="global", z_loss_coef=0.001,
+                            bias_update_rate=0.0))
   c.parallel = dict(dense=dict(data=-1, fsdp=1, context=1, tensor=1),
                     expert=dict(data=-1, expert=1, tensor=1))
   c.train = dict(steps=400, batch_size=16, micro_batch_size=0, seed=0, lr=3e-3,

@@ -31,7 +31,8 @@ def test_overrides_are_typed():
 @pytest.mark.parametrize("override, message", [
     ("--config.train.stepz=3", "unknown key 'train.stepz'"),
     ("--config.trian.steps=3", "no config group 'trian'"),
-    ("--config.train.steps=many", "train.steps takes a int"),
+    ("--config.train.steps=many", "'train.steps' must be a int"),
+    ("--config.moe.router=3", "unknown key 'moe.router'"),
     ("--config.model.tie_embeddings=1", "takes True or False"),
     ("--config.train.steps", "must look like"),
 ])
@@ -53,6 +54,16 @@ def test_bad_overrides(override, message):
     (dict(precision=dict(compute="float16")), "precision.compute must be one of"),
     (dict(train=dict(warmup_steps=8)), r"train.warmup_steps \(8\) must be in"),
     (dict(model=dict(extra=1)), r"unknown config key\(s\) \['model.extra'\]"),
+    (dict(moe=dict(router=dict(num_groups=3))), r"moe.router.num_groups \(3\) must divide"),
+    (dict(moe=dict(router=dict(num_groups=8))), "leaves 1 expert per group"),
+    (dict(moe=dict(router=dict(num_groups=4, topk_groups=5))), r"topk_groups \(5\) must be in"),
+    (dict(moe=dict(top_k=5, router=dict(num_groups=4, topk_groups=2))),
+     r"moe.top_k \(5\) is more than the 2 x 2 experts"),
+    (dict(moe=dict(balance=dict(aux_loss_type="batch"))), "aux_loss_type must be one of"),
+    (dict(moe=dict(capacity_factor=-1.0)), "capacity_factor must be None, 0"),
+    (dict(moe=dict(drop_policy="random")), "moe.drop_policy must be one of"),
+    (dict(moe=dict(router=dict(score="relu"))), "moe.router.score must be one of"),
+    (dict(parallel=dict(dense=dict(data=-1, tensor=-1))), "at most one size may be -1"),
     (dict(model=dict(d_model="wide")), "'model.d_model' must be a int"),
 ])
 def test_bad_configs_name_the_key(overrides, message):
@@ -69,3 +80,12 @@ def test_all_problems_reported_together():
 def test_missing_config_file():
   with pytest.raises(ConfigError, match="does not exist"):
     load_config("configs/nope.py")
+
+
+def test_override_keys_the_file_leaves_at_default():
+  config = load_config(TINY_FILE, ["--config.moe.router.jitter=0.1",
+                                   "--config.moe.capacity_factor=1.25",
+                                   "--config.moe.balance.aux_loss_type=seq"])
+  assert config.moe.router.jitter == 0.1 and config.moe.capacity_factor == 1.25
+  assert config.moe.balance.aux_loss_type == "seq"
+  assert load_config(TINY_FILE, ["--config.moe.capacity_factor=None"]).moe.capacity_factor is None

@@ -101,3 +101,26 @@ def test_cli_reports_config_errors(tmp_path):
   result = run_cli(tmp_path, "--config.moe.top_k=9")
   assert result.returncode == 2
   assert "moe.top_k (9) is larger than moe.num_experts (8)" in result.stderr
+
+
+def test_expert_bias_updates_and_is_checkpointed(tmp_path):
+  from flax import nnx
+  from jmoe.checkpoint import Checkpointer
+  from jmoe.moe import ExpertBias
+  config = tiny_config(moe=dict(balance=dict(aux_loss_coef=0.0, bias_update_rate=0.01)),
+                       train=dict(steps=3))
+  train(config, tmp_path, progress=False)
+  layout = make_layout(config.parallel)
+  spec = state_spec(config, layout, make_optimizer(config.train))
+  restored = Checkpointer(tmp_path / "checkpoints", keep=1).restore(3, spec.abstract,
+                                                                    spec.shardings)
+  biases = [v for v in jax.tree.leaves(restored.rest, is_leaf=lambda x: isinstance(x, ExpertBias))
+            if isinstance(v, ExpertBias)]
+  assert len(biases) == 1 and biases[0].shape == (2, 8)  # two MoE layers, eight experts
+  # Three sign steps of 0.01: every entry is a multiple of 0.01 in [-0.03, 0.03], not all zero.
+  values = np.asarray(biases[0][...])
+  np.testing.assert_allclose(values * 100, np.round(values * 100), atol=1e-4)
+  assert np.abs(values).max() <= 0.0300001 and np.abs(values).max() > 0
+  # The bias is not a trained parameter.
+  assert not any(isinstance(v, ExpertBias) for v in jax.tree.leaves(
+      restored.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))

@@ -41,38 +41,53 @@ def read_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
 
 
 def apply_overrides(config_dict: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
-  """Applies overrides of the form `group.key=value` (a leading `--config.` is accepted too)."""
+  """Applies overrides of the form `group.key=value` (a leading `--config.` is accepted too).
+
+  Any key of the schema may be set, also one the config file leaves at its default; the value is
+  parsed by the key's type.
+  """
   for override in overrides:
     text = override.removeprefix("--").removeprefix("config.")
     if "=" not in text:
       raise ConfigError(f"override {override!r} must look like --config.group.key=value")
     dotted, raw = text.split("=", 1)
     *parents, leaf = dotted.split(".")
-    node = config_dict
+    node, schema = config_dict, Config
     for i, name in enumerate(parents):
-      if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+      hints = _dataclass_hints(schema)
+      if name not in hints or not dataclasses.is_dataclass(hints[name]):
         raise ConfigError(f"override {override!r}: no config group {'.'.join(parents[:i + 1])!r}")
+      schema = hints[name]
+      if name not in node:
+        node[name] = ml_collections.ConfigDict()
       node = node[name]
-    if leaf not in node:
+    hints = _dataclass_hints(schema)
+    if leaf not in hints or dataclasses.is_dataclass(hints[leaf]):
       raise ConfigError(
-          f"override {override!r}: unknown key {dotted!r}; keys of this group: {sorted(node.keys())}")
-    node[leaf] = _parse_value(raw, node[leaf], dotted)
+          f"override {override!r}: unknown key {dotted!r}; keys of this group: "
+          f"{sorted(k for k, h in hints.items() if not dataclasses.is_dataclass(h))}")
+    node[leaf] = _parse_value(raw, hints[leaf], dotted)
 
 
-def _parse_value(raw: str, current: Any, dotted: str) -> Any:
-  if isinstance(current, str):
+def _dataclass_hints(cls: type) -> dict[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def _parse_value(raw: str, hint: Any, dotted: str) -> Any:
+  allowed = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+  if str in allowed:
     return raw
+  if type(None) in allowed and raw in ("None", "none", "null"):
+    return None
+  if bool in allowed:
+    if raw not in ("True", "False", "true", "false"):
+      raise ConfigError(f"--config.{dotted} takes True or False, not {raw!r}")
+    return raw in ("True", "true")
   try:
     value = ast.literal_eval(raw)
   except (ValueError, SyntaxError):
     value = raw
-  if isinstance(current, bool) and not isinstance(value, bool):
-    raise ConfigError(f"--config.{dotted} takes True or False, not {raw!r}")
-  if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
-    value = float(value)
-  if current is not None and not isinstance(value, type(current)):
-    raise ConfigError(f"--config.{dotted} takes a {type(current).__name__}, not {raw!r}")
-  return value
+  return _check_type(value, hint, dotted)
 
 
 def from_config_dict(config_dict: ml_collections.ConfigDict | Mapping) -> Config:

@@ -27,14 +27,25 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RouterConfig:
-  score: str = "softmax"  # softmax over all experts, then top-k
+  score: str = "softmax"  # softmax | softmax_topk (softmax over the k chosen logits) | sigmoid
   norm_topk_prob: bool = True  # renormalise the k chosen weights to sum to one
+  scaling_factor: float = 1.0  # multiplies the final weights (DeepSeek's routed_scaling_factor)
+  num_groups: int = 1  # group-limited routing: experts in this many equal groups ...
+  topk_groups: int = 1  # ... and each token chooses among its this-many best groups
+  bias: bool = False  # a learned bias on the router logits (GPT-OSS)
+  jitter: float = 0.0  # during training, router inputs times uniform noise in [1-j, 1+j]
 
 
 @dataclass(frozen=True)
 class BalanceConfig:
   aux_loss_coef: float = 0.01  # Switch-style load-balancing loss, per MoE layer
+  # Over which tokens the balance loss is computed: global (a micro-batch, all devices),
+  # micro_batch (each data-parallel rank's share of it, averaged), seq (each sequence, averaged).
+  aux_loss_type: str = "global"
   z_loss_coef: float = 0.0  # router z-loss (mean squared logsumexp of the router logits)
+  # Aux-loss-free balancing: a per-expert selection bias moved by this much after each step
+  # towards balance (bias += rate * sign(mean load - load)); 0 turns it off.
+  bias_update_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class MoEConfig:
   num_shared_experts: int = 0  # always-on experts of size d_ff_expert, summed into the output
   first_k_dense: int = 0  # the first k layers use a dense MLP instead of experts
   dispatcher: str = "allgather"  # how tokens reach experts on other devices: allgather | alltoall
+  capacity_factor: float | None = None  # None or 0: dropless; else each expert takes at most
+  # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
+  drop_policy: str = "probability"  # which copies stay under a capacity: probability | position
   gemm: str = "auto"  # grouped GEMM backend: auto | ragged_dot | dense
   router: RouterConfig = field(default_factory=RouterConfig)
   balance: BalanceConfig = field(default_factory=BalanceConfig)

@@ -9,7 +9,9 @@ from jmoe.config.schema import Config
 
 GEMM_BACKENDS = ("auto", "ragged_dot", "dense")
 DISPATCHERS = ("allgather", "alltoall")
-ROUTER_SCORES = ("softmax",)
+ROUTER_SCORES = ("softmax", "softmax_topk", "sigmoid")
+AUX_LOSS_TYPES = ("global", "micro_batch", "seq")
+DROP_POLICIES = ("probability", "position")
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("stdlib",)
@@ -62,9 +64,30 @@ def _moe(config: Config):
   yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
   yield from _one_of("moe.dispatcher", moe.dispatcher, DISPATCHERS)
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
-  for name in ("aux_loss_coef", "z_loss_coef"):
+  yield from _one_of("moe.balance.aux_loss_type", moe.balance.aux_loss_type, AUX_LOSS_TYPES)
+  yield from _one_of("moe.drop_policy", moe.drop_policy, DROP_POLICIES)
+  for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
     if getattr(moe.balance, name) < 0:
       yield f"moe.balance.{name} must be >= 0, got {getattr(moe.balance, name)}"
+  if moe.capacity_factor is not None and moe.capacity_factor < 0:
+    yield f"moe.capacity_factor must be None, 0 (dropless) or positive, got {moe.capacity_factor}"
+  if not 0 <= moe.router.jitter < 1:
+    yield f"moe.router.jitter must be in [0, 1), got {moe.router.jitter}"
+  if moe.router.scaling_factor <= 0:
+    yield f"moe.router.scaling_factor must be positive, got {moe.router.scaling_factor}"
+  groups, top_groups = moe.router.num_groups, moe.router.topk_groups
+  if groups < 1 or moe.num_experts % groups:
+    yield (f"moe.router.num_groups ({groups}) must divide moe.num_experts ({moe.num_experts})")
+  elif groups > 1:
+    per_group = moe.num_experts // groups
+    if per_group < 2:
+      yield (f"moe.router.num_groups ({groups}) leaves {per_group} expert per group; groups are "
+             f"scored by their two best experts, so use at most {moe.num_experts // 2} groups")
+    if not 1 <= top_groups <= groups:
+      yield f"moe.router.topk_groups ({top_groups}) must be in [1, num_groups={groups}]"
+    elif moe.top_k > top_groups * per_group:
+      yield (f"moe.top_k ({moe.top_k}) is more than the {top_groups} x {per_group} experts in the "
+             f"chosen groups; raise moe.router.topk_groups")
 
 
 def _train(config: Config):

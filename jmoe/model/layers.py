@@ -11,11 +11,14 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
           std: float | None, dtype, decay: bool = True) -> nnx.Param:
   """A parameter with its logical axis names (`axes`) for the sharding rules in jmoe/parallel/.
 
-  std=None initialises to ones (norm scales). `decay` says whether weight decay applies to it.
+  std=None initialises to ones (norm scales), std=0 to zeros (biases). `decay` says whether weight
+  decay applies to it.
   """
   assert len(shape) == len(axes), (shape, axes)
   if std is None:
     value = jnp.ones(shape, dtype)
+  elif std == 0:
+    value = jnp.zeros(shape, dtype)
   else:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     value = value.astype(dtype)

@@ -27,14 +27,18 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
   return create(rngs)
 
 
-def run_stack(stack: nnx.Module, x, *args, remat: str = "none"):
-  """Runs x through every layer: `x, y = layer(x, *args)`; returns the last x and the stacked ys."""
+def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None):
+  """Runs x through every layer: `x, y = layer(x, *args, rng=key)`, each layer with its own key
+  from `rng` (or None); returns the last x and the stacked ys."""
   graphdef, state = nnx.split(stack)
+  num_layers = jax.tree.leaves(state)[0].shape[0]
+  keys = None if rng is None else jax.random.split(rng, num_layers)
 
-  def body(carry, layer_state):
-    return nnx.merge(graphdef, layer_state)(carry, *args)
+  def body(carry, layer):
+    layer_state, key = layer
+    return nnx.merge(graphdef, layer_state)(carry, *args, rng=key)
 
   policy = REMAT_POLICIES[remat]
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-  return jax.lax.scan(body, x, state)
+  return jax.lax.scan(body, x, (state, keys))

@@ -33,15 +33,18 @@ class Transformer(nnx.Module):
         param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
               dtype=param_dtype))
 
-  def __call__(self, tokens_BS: jax.Array,
-               positions_BS: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
-    """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers)."""
+  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None, *,
+               rng: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+    """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers).
+
+    `rng` is for training-time noise (router jitter); without it the model is deterministic.
+    """
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
-    x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat)
+    x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng)
     x_BSD = self.final_norm(x_BSD)
     if self.head_DV is None:
       logits_BSV = self.embed.attend(x_BSD)

@@ -8,7 +8,8 @@ Two dispatchers, one signature:
              them, reduce-scatter the partial outputs back. Simple, dropless, moves every token.
   alltoall   (after an all-gather over ETP) send each routed row only to its expert's device with a
              fixed-size `all_to_all`, and back. Dropless: each peer's buffer holds all T*K rows of
-             the sender (the worst case), so nothing is dropped whatever the routing.
+             the sender (the worst case), so nothing is dropped whatever the routing. With a
+             capacity factor the buffers shrink to what the peer's experts may take.
 
 Both count the rows per local expert inside the shard: no host synchronisation.
 """
@@ -22,6 +23,8 @@ import jax.numpy as jnp
 
 from jax.sharding import PartitionSpec as P
 
+from jmoe.config import MoEConfig
+from jmoe.moe.capacity import apply_capacity, expert_capacity, rank_within_expert
 from jmoe.moe.combine import combine
 from jmoe.moe.dispatch import dispatch
 from jmoe.moe.experts import GroupedGemm, expert_ffn
@@ -45,7 +48,8 @@ def _run_local(x_XD, local_ids_XK, num_local, expert_fn):
 
 
 def allgather_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: ExpertAxes,
-                       expert_fn: ExpertFn) -> jax.Array:
+                       expert_fn: ExpertFn, max_rows_per_expert: int | None = None) -> jax.Array:
+  del max_rows_per_expert  # every gathered row is computed where its expert lives
   group = axes.expert + axes.tensor
   if group:
     x_TD, expert_ids_TK, weights_TK = (
@@ -59,27 +63,27 @@ def allgather_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Ex
 
 
 def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: ExpertAxes,
-                      expert_fn: ExpertFn) -> jax.Array:
+                      expert_fn: ExpertFn, max_rows_per_expert: int | None = None) -> jax.Array:
   if axes.tensor:  # every device of an ETP group computes the same rows on its slice of F
     x_TD, expert_ids_TK, weights_TK = (
         jax.lax.all_gather(a, axes.tensor, axis=0, tiled=True)
         for a in (x_TD, expert_ids_TK, weights_TK))
   num_tokens, top_k = expert_ids_TK.shape
   num_rows, peers = num_tokens * top_k, axes.num_expert_shards
+  # Rows per peer in the fixed-size buffers: all of this device's rows (dropless, the worst case),
+  # or what the peer's experts can take under a capacity.
+  block = num_rows if max_rows_per_expert is None else min(num_rows,
+                                                           num_local * max_rows_per_expert)
   ids_X = expert_ids_TK.reshape(-1)
-  dest_X = ids_X // num_local
-  # Slot of each row in the send buffer: its destination's block, then its rank among the rows
-  # going there. A block holds num_rows slots, so no row is ever dropped.
-  order_X = jnp.argsort(dest_X, stable=True)
-  rows_per_dest = jnp.zeros((peers,), jnp.int32).at[dest_X].add(1)
-  first_of_dest = jnp.cumsum(rows_per_dest) - rows_per_dest
-  sorted_dest_X = dest_X[order_X]
-  slot_X = jnp.zeros_like(order_X).at[order_X].set(
-      sorted_dest_X * num_rows + jnp.arange(num_rows) - first_of_dest[sorted_dest_X])
+  routed_X = ids_X < num_local * peers  # dropped copies carry the id E
+  dest_X = jnp.where(routed_X, ids_X // num_local, peers)
+  rank_X = rank_within_expert(dest_X, peers + 1)
+  slot_X = jnp.where(routed_X & (rank_X < block), dest_X * block + rank_X, peers * block)
 
-  send_x = jnp.zeros((peers * num_rows, x_TD.shape[1]), x_TD.dtype).at[slot_X].set(
-      jnp.repeat(x_TD, top_k, axis=0))
-  send_e = jnp.full((peers * num_rows,), num_local, jnp.int32).at[slot_X].set(ids_X % num_local)
+  send_x = jnp.zeros((peers * block, x_TD.shape[1]), x_TD.dtype).at[slot_X].set(
+      jnp.repeat(x_TD, top_k, axis=0), mode="drop")
+  send_e = jnp.full((peers * block,), num_local, jnp.int32).at[slot_X].set(
+      ids_X % num_local, mode="drop")
   if axes.expert:
     send_x = jax.lax.all_to_all(send_x, axes.expert, 0, 0, tiled=True)
     send_e = jax.lax.all_to_all(send_e, axes.expert, 0, 0, tiled=True)
@@ -87,7 +91,7 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
   y_RD = combine(y_RD, d, jnp.ones((y_RD.shape[0], 1), jnp.float32))  # un-sort; empty slots 0
   if axes.expert:
     y_RD = jax.lax.all_to_all(y_RD, axes.expert, 0, 0, tiled=True)
-  y_TKD = y_RD[slot_X].reshape(num_tokens, top_k, -1)
+  y_TKD = y_RD.at[slot_X].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, -1)
   y_TD = jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype),
                     preferred_element_type=jnp.float32).astype(y_TKD.dtype)
   if axes.tensor:
@@ -98,21 +102,47 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
 DISPATCHERS = {"allgather": allgather_dispatch, "alltoall": alltoall_dispatch}
 
 
-def sharded_experts(layout: Layout, dispatcher: str, x_TD: jax.Array, expert_ids_TK: jax.Array,
-                    weights_TK: jax.Array, w_in_ED2F: jax.Array, w_out_EFD: jax.Array,
-                    gemm: GroupedGemm) -> jax.Array:
-  """Dispatch, expert FFN and combine for tokens split over every device of `layout`."""
-  axes = layout.expert_axes
-  num_local = w_in_ED2F.shape[0] // axes.num_expert_shards
-  exchange = DISPATCHERS[dispatcher]
+def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK,
+                      w_in_ED2F, w_out_EFD, gemm: GroupedGemm):
+  """One device's part: capacity (decided on its own tokens), exchange, experts, combine."""
+  num_experts = axes.num_expert_shards * w_in_ED2F.shape[0]
+  dropped, max_rows = jnp.zeros((), jnp.float32), None
+  if cfg.capacity_factor:
+    expert_ids_TK, weights_TK, dropped = apply_capacity(
+        expert_ids_TK, weights_TK, num_experts, cfg.capacity_factor, cfg.drop_policy)
+    max_rows = axes.num_tensor_shards * expert_capacity(*expert_ids_TK.shape, num_experts,
+                                                        cfg.capacity_factor)
+  expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, w_in_ED2F, w_out_EFD, gemm)
+  y_TD = DISPATCHERS[cfg.dispatcher](x_TD, expert_ids_TK, weights_TK, w_in_ED2F.shape[0], axes,
+                                     expert_fn, max_rows)
+  return y_TD, dropped
 
-  def body(x_TD, expert_ids_TK, weights_TK, w_in_ED2F, w_out_EFD):
-    expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, w_in_ED2F, w_out_EFD, gemm)
-    return exchange(x_TD, expert_ids_TK, weights_TK, num_local, axes, expert_fn)
+
+# One device and no mesh: the same code with every exchange empty.
+_NO_AXES = ExpertAxes(tokens=(), expert=(), tensor=(), num_expert_shards=1, num_tensor_shards=1)
+
+
+def local_experts(cfg: MoEConfig, *args) -> tuple[jax.Array, jax.Array]:
+  """Dispatch, expert FFN and combine with all tokens and experts in one place."""
+  return _experts_on_shard(cfg, _NO_AXES, *args)
+
+
+def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_TK: jax.Array,
+                    weights_TK: jax.Array, w_in_ED2F: jax.Array, w_out_EFD: jax.Array,
+                    gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
+  """Dispatch, expert FFN and combine for tokens split over every device of `layout`.
+
+  Returns the output and the fraction of routed copies dropped for capacity (0 when dropless).
+  """
+  axes = layout.expert_axes
+
+  def body(*args):
+    y_TD, dropped = _experts_on_shard(cfg, axes, *args, gemm)
+    return y_TD, jax.lax.pmean(dropped, axes.tokens)
 
   tokens = P(axes.tokens)
   expert, tensor = axes.expert or None, axes.tensor or None
   return jax.shard_map(
       body, mesh=layout.mesh,
       in_specs=(tokens, tokens, tokens, P(expert, None, None, tensor), P(expert, tensor, None)),
-      out_specs=tokens)(x_TD, expert_ids_TK, weights_TK, w_in_ED2F, w_out_EFD)
+      out_specs=(tokens, P()))(x_TD, expert_ids_TK, weights_TK, w_in_ED2F, w_out_EFD)

@@ -9,12 +9,27 @@ from flax import nnx
 from jmoe.config import MoEConfig
 from jmoe.model.layers import param
 from jmoe.model.mlp import SwiGLU
-from jmoe.parallel import active_layout
-from jmoe.moe.combine import combine
-from jmoe.moe.dispatch import dispatch
-from jmoe.moe.exchange import sharded_experts
-from jmoe.moe.experts import expert_ffn, grouped_gemm
+from jmoe.moe.exchange import local_experts, sharded_experts
+from jmoe.moe.experts import grouped_gemm
 from jmoe.moe.route import RouterStats, route
+from jmoe.parallel import active_layout
+
+
+class ExpertBias(nnx.Variable):
+  """Aux-loss-free balancing: a per-expert bias added to the selection scores only. Not trained by
+  gradients; `update_expert_bias` moves it after each step. Lives in the train state's `rest`."""
+
+
+def update_expert_bias(rest: nnx.State, load_LE: jax.Array, rate: float) -> nnx.State:
+  """bias += rate * sign(mean load - load), per MoE layer: under-used experts become likelier."""
+
+  def one(v):
+    if isinstance(v, ExpertBias):
+      mean_L1 = jnp.mean(load_LE, axis=-1, keepdims=True)
+      return v.replace(v[...] + rate * jnp.sign(mean_L1 - load_LE))
+    return v
+
+  return jax.tree.map(one, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 class MoE(nnx.Module):
@@ -25,6 +40,10 @@ class MoE(nnx.Module):
     self.dtype = dtype
     e, f = cfg.num_experts, cfg.d_ff_expert
     self.router_DE = param(rngs, (d_model, e), ("embed", None), std=std, dtype=param_dtype)
+    self.router_bias_E = (param(rngs, (e,), (None,), std=0, dtype=param_dtype, decay=False)
+                          if cfg.router.bias else None)
+    self.expert_bias_E = (ExpertBias(jnp.zeros((e,), jnp.float32), axes=(None,))
+                          if cfg.balance.bias_update_rate > 0 else None)
     self.w_in_ED2F = param(rngs, (e, d_model, 2, f), ("expert", "expert_embed", None, "expert_mlp"),
                            std=std, dtype=param_dtype)
     self.w_out_EFD = param(rngs, (e, f, d_model), ("expert", "expert_mlp", "expert_embed"), std=std,
@@ -34,29 +53,40 @@ class MoE(nnx.Module):
                rngs=rngs)
         if cfg.num_shared_experts else None)
 
-  def __call__(self, x_BSD: jax.Array) -> tuple[jax.Array, RouterStats]:
+  def __call__(self, x_BSD: jax.Array, rng: jax.Array | None = None
+               ) -> tuple[jax.Array, RouterStats]:
     batch, seq, d_model = x_BSD.shape
     x_TD = x_BSD.reshape(batch * seq, d_model)
-    with jax.named_scope("route"):
-      logits_TE = jnp.einsum("td,de->te", x_TD.astype(jnp.float32),
-                             self.router_DE[...].astype(jnp.float32))
-      routing = route(logits_TE, self.cfg.router, self.cfg.top_k)
-    w_in_ED2F = self.w_in_ED2F[...].astype(self.dtype)
-    w_out_EFD = self.w_out_EFD[...].astype(self.dtype)
-    gemm = grouped_gemm(self.cfg.gemm)
     layout = active_layout()
-    if layout is None:  # everything on one device
-      with jax.named_scope("dispatch"):
-        dispatched = dispatch(x_TD, routing.expert_ids_TK, self.cfg.num_experts)
-      with jax.named_scope("experts"):
-        y_XD = expert_ffn(dispatched.x_XD, dispatched.group_sizes_E, w_in_ED2F, w_out_EFD, gemm)
-      with jax.named_scope("combine"):
-        y_TD = combine(y_XD, dispatched, routing.weights_TK)
-    else:
-      with jax.named_scope("expert_parallel"):
-        y_TD = sharded_experts(layout, self.cfg.dispatcher, x_TD, routing.expert_ids_TK,
-                               routing.weights_TK, w_in_ED2F, w_out_EFD, gemm)
+    with jax.named_scope("route"):
+      routing = route(self._router_logits(x_TD, rng), self.cfg.router, self.cfg.top_k,
+                      expert_bias_E=None if self.expert_bias_E is None else self.expert_bias_E[...],
+                      balance_groups=self._balance_groups(batch, layout))
+    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK,
+            self.w_in_ED2F[...].astype(self.dtype), self.w_out_EFD[...].astype(self.dtype),
+            grouped_gemm(self.cfg.gemm))
+    with jax.named_scope("dispatch_experts_combine"):
+      y_TD, dropped = local_experts(*args) if layout is None else sharded_experts(layout, *args)
     y_BSD = y_TD.reshape(batch, seq, d_model)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
-    return y_BSD, routing.stats
+    return y_BSD, routing.stats.replace(dropped_fraction=dropped)
+
+  def _router_logits(self, x_TD: jax.Array, rng: jax.Array | None) -> jax.Array:
+    """Router logits in float32, with multiplicative input jitter when training asks for it."""
+    x_TD = x_TD.astype(jnp.float32)
+    jitter = self.cfg.router.jitter
+    if jitter and rng is not None:
+      x_TD = x_TD * jax.random.uniform(rng, x_TD.shape, minval=1 - jitter, maxval=1 + jitter)
+    logits_TE = jnp.einsum("td,de->te", x_TD, self.router_DE[...].astype(jnp.float32))
+    if self.router_bias_E is not None:
+      logits_TE = logits_TE + self.router_bias_E[...].astype(jnp.float32)
+    return logits_TE
+
+  def _balance_groups(self, batch: int, layout) -> int:
+    kind = self.cfg.balance.aux_loss_type
+    if kind == "seq":
+      return batch
+    if kind == "micro_batch" and layout is not None:
+      return layout.data_parallel_size
+    return 1

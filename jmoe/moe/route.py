@@ -1,4 +1,14 @@
-"""Route: from router logits to each token's k experts, their weights, and the balancing terms."""
+"""Route: from router logits to each token's k experts, their weights, and the balancing terms.
+
+Scores (`router.score`):
+  softmax       softmax over all experts; the k best are chosen
+  softmax_topk  the k best logits are chosen, then softmax over those k (Mixtral's form)
+  sigmoid       an independent sigmoid per expert (DeepSeek-V3)
+Selection may add a per-expert bias (aux-loss-free balancing) and may be group-limited: experts
+fall in `num_groups` equal groups, each scored by the sum of its two best selection scores, and a
+token chooses only among the experts of its `topk_groups` best groups. The bias steers selection
+only; weights come from the unbiased scores. Ties go to the lower index everywhere.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +22,10 @@ from jmoe.config import RouterConfig
 @struct.dataclass
 class RouterStats:
   """What a layer's router reports, returned explicitly (one per MoE layer after the layer scan)."""
-  aux_loss: jax.Array  # Switch balance loss E * sum_e f_e * p_e; 1.0 when perfectly balanced
+  aux_loss: jax.Array  # balance loss E * sum_e f_e * p_e, averaged over balance groups; 1 = balanced
   z_loss: jax.Array  # mean over tokens of logsumexp(logits)^2
-  load_E: jax.Array  # fraction of the T*K routed token copies that went to each expert
+  load_E: jax.Array  # fraction of the T*K routed token copies that chose each expert
+  dropped_fraction: jax.Array  # of the T*K copies, the share dropped for capacity (0 if dropless)
 
 
 @struct.dataclass
@@ -24,22 +35,64 @@ class Routing:
   stats: RouterStats
 
 
-def route(logits_TE: jax.Array, cfg: RouterConfig, top_k: int) -> Routing:
-  """Softmax scores over all experts, top-k selection, optional renormalisation.
+def _limit_to_groups(select_TE: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
+  """Sets the selection scores of experts outside each token's best groups to -inf."""
+  num_tokens, num_experts = select_TE.shape
+  select_TGe = select_TE.reshape(num_tokens, num_groups, num_experts // num_groups)
+  group_score_TG = jnp.sum(jax.lax.top_k(select_TGe, 2)[0], axis=-1)
+  _, best_groups_Tg = jax.lax.top_k(group_score_TG, topk_groups)
+  keep_TG = jnp.zeros((num_tokens, num_groups), bool).at[
+      jnp.arange(num_tokens)[:, None], best_groups_Tg].set(True)
+  return jnp.where(keep_TG[:, :, None], select_TGe, -jnp.inf).reshape(num_tokens, num_experts)
 
-  Logits and scores are float32 whatever the compute dtype. Ties go to the lower expert index.
+
+def balance_loss(probs_TE: jax.Array, expert_ids_TK: jax.Array, num_groups: int) -> jax.Array:
+  """E * sum_e f_e * p_e in each of `num_groups` equal contiguous token groups, averaged.
+
+  f_e: the share of the group's routed copies that chose e (no gradient); p_e: the mean score.
+  One group: the whole batch (global); one per sequence: DeepSeek's sequence-wise loss.
   """
+  num_tokens, num_experts = probs_TE.shape
+  top_k = expert_ids_TK.shape[1]
+  per_group = num_tokens // num_groups
+  group_T = jnp.arange(num_tokens) // per_group
+  counts_GE = jnp.zeros((num_groups, num_experts), jnp.float32).at[
+      group_T[:, None], expert_ids_TK].add(1.0)
+  f_GE = jax.lax.stop_gradient(counts_GE / (per_group * top_k))
+  p_GE = probs_TE.reshape(num_groups, per_group, num_experts).mean(axis=1)
+  return num_experts * jnp.mean(jnp.sum(f_GE * p_GE, axis=-1))
+
+
+def route(logits_TE: jax.Array, cfg: RouterConfig, top_k: int, *,
+          expert_bias_E: jax.Array | None = None, balance_groups: int = 1) -> Routing:
   logits_TE = logits_TE.astype(jnp.float32)
   num_tokens, num_experts = logits_TE.shape
-  probs_TE = jax.nn.softmax(logits_TE, axis=-1)
-  weights_TK, expert_ids_TK = jax.lax.top_k(probs_TE, top_k)
-  if cfg.norm_topk_prob:
-    weights_TK = weights_TK / jnp.sum(weights_TK, axis=-1, keepdims=True)
+  if cfg.score == "sigmoid":
+    scores_TE = jax.nn.sigmoid(logits_TE)
+    # The balance loss wants a distribution per token: the sigmoid scores normalised.
+    probs_TE = scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+  else:
+    probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+    scores_TE = logits_TE if cfg.score == "softmax_topk" else probs_TE
+
+  select_TE = jax.lax.stop_gradient(scores_TE)
+  if expert_bias_E is not None:
+    select_TE = select_TE + expert_bias_E
+  if cfg.num_groups > 1:
+    select_TE = _limit_to_groups(select_TE, cfg.num_groups, cfg.topk_groups)
+  _, expert_ids_TK = jax.lax.top_k(select_TE, top_k)
+  weights_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
+  if cfg.score == "softmax_topk":
+    weights_TK = jax.nn.softmax(weights_TK, axis=-1)
+  elif cfg.norm_topk_prob:
+    weights_TK = weights_TK / (jnp.sum(weights_TK, axis=-1, keepdims=True) + 1e-20)
+  weights_TK = weights_TK * cfg.scaling_factor
 
   counts_E = jnp.zeros((num_experts,), jnp.float32).at[expert_ids_TK.reshape(-1)].add(1.0)
-  load_E = counts_E / (num_tokens * top_k)
-  # Selection is not differentiable; the gradient reaches the router through the mean scores.
-  aux_loss = num_experts * jnp.sum(jax.lax.stop_gradient(load_E) * jnp.mean(probs_TE, axis=0))
-  z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1)))
+  stats = RouterStats(
+      aux_loss=balance_loss(probs_TE, expert_ids_TK, balance_groups),
+      z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
+      load_E=counts_E / (num_tokens * top_k),
+      dropped_fraction=jnp.zeros((), jnp.float32))
   return Routing(expert_ids_TK=expert_ids_TK.astype(jnp.int32), weights_TK=weights_TK,
-                 stats=RouterStats(aux_loss=aux_loss, z_loss=z_loss, load_E=load_E))
+                 stats=stats)

@@ -1,0 +1,41 @@
+"""The helper scripts run on what a training run writes."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def write_metrics(workdir, steps=(1, 10, 20), layers=3, experts=8):
+  rng = np.random.default_rng(0)
+  with open(workdir / "metrics.jsonl", "w") as f:
+    for step in steps:
+      load = rng.dirichlet(np.ones(experts), size=layers)
+      f.write(json.dumps({"step": step, "loss": 5.0 / step, "lm_loss": 4.9 / step,
+                          "expert_load": load.tolist(),
+                          "expert_load_max_over_mean": float(load.max() * experts)}) + "\n")
+
+
+def run_plot(*args):
+  return subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_expert_load.py"), *args],
+                        capture_output=True, text=True, timeout=120)
+
+
+def test_plot_expert_load_draws_a_png(tmp_path):
+  write_metrics(tmp_path)
+  result = run_plot("--workdir", str(tmp_path), "--step", "10")
+  assert result.returncode == 0, result.stderr
+  png = tmp_path / "expert_load.png"
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_plot_expert_load_explains_bad_input(tmp_path):
+  result = run_plot("--workdir", str(tmp_path))
+  assert result.returncode != 0 and "metrics.jsonl does not exist" in result.stderr
+  write_metrics(tmp_path)
+  result = run_plot("--workdir", str(tmp_path), "--step", "7")
+  assert result.returncode != 0 and "step 7 was not logged" in result.stderr
