@@ -33,7 +33,7 @@ def loss_and_grads(config, devices):
   layout = make_layout(config.parallel, devices)
   spec = state_spec(config, layout, make_optimizer(config.train))
   state = spec.init()
-  tokens = make_sampler(config.data, 0).batch(0, config.train.batch_size)["tokens"]
+  tokens = make_sampler(config.data, 0, 264).batch(0, config.train.batch_size)["tokens"]
   tokens = jax.device_put(tokens, layout.batch)
   loss_fn = make_loss_fn(spec.graphdef, config)
   num_targets = tokens.shape[0] * (tokens.shape[1] - 1)

@@ -27,7 +27,7 @@ def first_step(config, devices):
   optimizer = make_optimizer(config.train)
   spec = state_spec(config, layout, optimizer)
   step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)))
-  batch = jax.device_put(make_sampler(config.data, 0).batch(0, config.train.batch_size),
+  batch = jax.device_put(make_sampler(config.data, 0, 264).batch(0, config.train.batch_size),
                          layout.batch)
   state, metrics = step(spec.init(), batch)
   return jax.device_get(metrics), jax.device_get(state.params)
@@ -124,3 +124,10 @@ def test_expert_bias_updates_and_is_checkpointed(tmp_path):
   # The bias is not a trained parameter.
   assert not any(isinstance(v, ExpertBias) for v in jax.tree.leaves(
       restored.params, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def test_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
+  from jmoe.config import ConfigError
+  with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) is smaller than the byte "
+                                        r"tokenizer's 258 ids"):
+    train(tiny_config(model=dict(vocab_size=200)), tmp_path, progress=False)

@@ -1,8 +1,8 @@
 """Configuration: typed dataclasses, loading with overrides, validation."""
 
-from jmoe.config.load import apply_overrides, from_config_dict, load_config, read_config_file
+from jmoe.config.load import (apply_overrides, defaults, from_config_dict, load_config,
+                              read_config_file)
 from jmoe.config.schema import (BalanceConfig, CheckpointConfig, Config, DataConfig, DenseLayout,
-                                ExpertLayout,
-                                MoEConfig, ModelConfig, ParallelConfig, PrecisionConfig,
-                                RouterConfig, TrainConfig, to_dict)
+                                ExpertLayout, MoEConfig, ModelConfig, ParallelConfig,
+                                PrecisionConfig, RouterConfig, TrainConfig, to_dict)
 from jmoe.config.validate import ConfigError, validate

@@ -28,6 +28,11 @@ def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Conf
   return from_config_dict(config_dict)
 
 
+def defaults() -> ml_collections.ConfigDict:
+  """Every key at its default, as a ConfigDict for config files to start from."""
+  return ml_collections.ConfigDict(dataclasses.asdict(Config()))
+
+
 def read_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
   path = pathlib.Path(path)
   if not path.is_file():

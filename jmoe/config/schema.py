@@ -23,6 +23,11 @@ class ModelConfig:
   norm_eps: float = 1e-6
   tie_embeddings: bool = False
   init_std: float = 0.02
+  qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
+  sliding_window: int = 0  # attend to the last this-many tokens only (0: the whole causal past)
+  # The Hugging Face architecture this model converts to and from (jmoe.convert): "" (none),
+  # qwen3_moe or mixtral.
+  family: str = ""
 
 
 @dataclass(frozen=True)

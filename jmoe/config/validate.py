@@ -15,7 +15,7 @@ DROP_POLICIES = ("probability", "position")
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("stdlib",)
-BYTE_VOCAB = 258  # 256 bytes, end-of-document, padding: see jmoe/data/tokenizer.py
+FAMILIES = ("", "qwen3_moe", "mixtral")
 
 
 class ConfigError(ValueError):
@@ -48,6 +48,9 @@ def _model(config: Config):
            f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
   if m.head_dim % 2:
     yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
+  if m.sliding_window < 0:
+    yield f"model.sliding_window must be >= 0 (0: no window), got {m.sliding_window}"
+  yield from _one_of("model.family", m.family, FAMILIES)
 
 
 def _moe(config: Config):
@@ -110,9 +113,6 @@ def _data(config: Config):
   d = config.data
   yield from _positive("data", d, "seq_len", "max_corpus_bytes")
   yield from _one_of("data.source", d.source, DATA_SOURCES)
-  if d.source == "stdlib" and config.model.vocab_size < BYTE_VOCAB:
-    yield (f"model.vocab_size ({config.model.vocab_size}) is smaller than the byte tokenizer's "
-           f"{BYTE_VOCAB} ids; use at least {BYTE_VOCAB} (a multiple of 8 such as 264 shards best)")
 
 
 def _other(config: Config):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jmoe.config import DataConfig
+from jmoe.config import ConfigError, DataConfig
 from jmoe.data.corpus import stdlib_documents
 from jmoe.data.tokenizer import ByteTokenizer
 
@@ -36,8 +36,13 @@ class WindowSampler:
     return {"tokens": windows.astype(np.int32)}
 
 
-def make_sampler(cfg: DataConfig, seed: int) -> WindowSampler:
+def make_sampler(cfg: DataConfig, seed: int, vocab_size: int) -> WindowSampler:
   tokenizer = ByteTokenizer()
+  if vocab_size < tokenizer.vocab_size:
+    raise ConfigError(
+        f"model.vocab_size ({vocab_size}) is smaller than the byte tokenizer's "
+        f"{tokenizer.vocab_size} ids; use at least {tokenizer.vocab_size} (a multiple of 8 such "
+        f"as 264 shards best)")
   pieces = []
   for doc in stdlib_documents(cfg.max_corpus_bytes):
     pieces.append(tokenizer.encode(doc))

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.model.layers import param
+from jmoe.model.layers import RMSNorm, param
 from jmoe.model.rope import apply_rope
 from jmoe.parallel import constrain
 
@@ -33,15 +33,22 @@ class Attention(nnx.Module):
     self.w_v_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), std=std,
                          dtype=param_dtype)
     self.w_o_HAD = param(rngs, (h, a, d), ("heads", "head_dim", "embed"), std=std, dtype=param_dtype)
+    self.q_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
+    # A window of W keys: the token itself and the W - 1 before it.
+    self.window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
     dt = self.dtype
     q_BSHA = jnp.einsum("bsd,dha->bsha", x_BSD, self.w_q_DHA[...].astype(dt))
     k_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_k_DGA[...].astype(dt))
     v_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_v_DGA[...].astype(dt))
+    if self.q_norm is not None:
+      q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta), Q_AXES)
     k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta), KV_AXES)
     v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = constrain(jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True),
-                         Q_AXES)
+    out_BSHA = jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True,
+                                            local_window_size=self.window)
+    out_BSHA = constrain(out_BSHA, Q_AXES)
     return jnp.einsum("bsha,had->bsd", out_BSHA, self.w_o_HAD[...].astype(dt))

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
+from jmoe.cli import run
 from jmoe.config import ConfigError, load_config
 from jmoe.train.loop import train
 
@@ -28,31 +28,25 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  log = logging.getLogger("jmoe")  # only jmoe's own messages; libraries keep their levels
-  handler = logging.StreamHandler()
-  handler.setFormatter(logging.Formatter("%(asctime)s jmoe: %(message)s", "%H:%M:%S"))
-  log.addHandler(handler)
-  log.setLevel(logging.INFO)
-  log.propagate = False
   parser = argparse.ArgumentParser(prog="python -m jmoe.train", description=__doc__)
   parser.add_argument("--config", required=True, help="a configs/*.py file with get_config()")
   parser.add_argument("--workdir", required=True,
                       help="where metrics, TensorBoard events and checkpoints go; an existing "
                            "workdir resumes from its latest checkpoint")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-  try:
+
+  def command() -> int:
     rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
-    config = load_config(args.config, overrides)
-    records = train(config, args.workdir, progress=not args.no_progress)
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  if records:
-    first, last = records[0], records[-1]
-    print(f"step {first['step']}: loss {first['loss']:.3f}  ->  step {last['step']}: "
-          f"loss {last['loss']:.3f}  ({last['tokens_per_s']:.0f} tokens/s)")
-  return 0
+    records = train(load_config(args.config, overrides), args.workdir,
+                    progress=not args.no_progress)
+    if records:
+      first, last = records[0], records[-1]
+      print(f"step {first['step']}: loss {first['loss']:.3f}  ->  step {last['step']}: "
+            f"loss {last['loss']:.3f}  ({last['tokens_per_s']:.0f} tokens/s)")
+    return 0
+
+  return run(command)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True)
     log.info("resuming from %s at step %d", checkpointer.directory, start)
     state = checkpointer.restore(start, spec.abstract, spec.shardings)
 
-  sampler = make_sampler(config.data, config.train.seed)
+  sampler = make_sampler(config.data, config.train.seed, config.model.vocab_size)
   batch_of = lambda step: jax.device_put(sampler.batch(step, config.train.batch_size),
                                          layout.batch)
   t0 = time.perf_counter()

@@ -1,0 +1,243 @@
+"""Hugging Face checkpoints in and out: local directories of config.json + safetensors.
+
+Conversion goes tensor by tensor: a reader opens the (possibly sharded) safetensors files lazily,
+and the writer flushes a shard as soon as it is full, so a model is never held twice in host memory.
+Every jmoe parameter has one mapping below; a tensor that is missing is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
+from jmoe.checkpoint.params import load_model, save_model
+from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
+                         to_dict)
+from jmoe.parallel import make_layout
+from jmoe.train.state import DTYPES, model_factory
+
+INDEX = "model.safetensors.index.json"
+log = logging.getLogger("jmoe")
+
+
+class SafetensorsReader:
+  """Looks tensors up by name across the files of one checkpoint directory."""
+
+  def __init__(self, directory: pathlib.Path):
+    index = directory / INDEX
+    if index.is_file():
+      weight_map = json.loads(index.read_text())["weight_map"]
+      files = sorted(set(weight_map.values()))
+    else:
+      files = sorted(p.name for p in directory.glob("*.safetensors"))
+      if not files:
+        raise ConfigError(f"{directory} has no *.safetensors files (nor {INDEX})")
+      weight_map = {}
+      for name in files:
+        with safe_open(directory / name, "np") as f:
+          weight_map.update({k: name for k in f.keys()})
+    self.directory, self.weight_map = directory, weight_map
+    self.used: set[str] = set()
+
+  def __call__(self, name: str) -> np.ndarray:
+    if name not in self.weight_map:
+      raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
+    self.used.add(name)
+    with safe_open(self.directory / self.weight_map[name], "np") as f:
+      return f.get_tensor(name)
+
+
+class ShardedWriter:
+  """Writes tensors into model-0000i-of-0000n.safetensors files of at most `shard_bytes`."""
+
+  def __init__(self, directory: pathlib.Path, shard_bytes: int):
+    self.directory, self.shard_bytes = directory, shard_bytes
+    self.pending: dict[str, np.ndarray] = {}
+    self.written: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+    self.total = 0
+
+  def add(self, name: str, tensor: np.ndarray) -> None:
+    if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > \
+        self.shard_bytes:
+      self._flush()
+    self.pending[name] = np.ascontiguousarray(tensor)
+    self.total += tensor.nbytes
+
+  def _flush(self) -> None:
+    name = f"part-{len(self.written):05d}.safetensors"
+    save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+    self.written.append((name, list(self.pending)))
+    self.pending = {}
+
+  def close(self) -> None:
+    if self.pending:
+      self._flush()
+    n = len(self.written)
+    if n == 1:
+      (self.directory / self.written[0][0]).rename(self.directory / "model.safetensors")
+      return
+    weight_map = {}
+    for i, (tmp, names) in enumerate(self.written):
+      final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+      (self.directory / tmp).rename(self.directory / final)
+      weight_map.update({k: final for k in names})
+    (self.directory / INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+
+
+# ---- the mapping: a jmoe parameter (one layer of it) <-> named Hugging Face tensors
+
+Get = Callable[[str], np.ndarray]
+
+
+def _linear(name: str, in_dims: int):
+  """A PyTorch Linear weight [out, in] <-> a jmoe weight whose first `in_dims` axes are `in`."""
+  def to_jmoe(get: Get, shape) -> np.ndarray:
+    return get(name).T.reshape(shape)
+
+  def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: a.reshape(math.prod(a.shape[:in_dims]), -1).T}
+
+  return to_jmoe, to_hf
+
+
+def _same(name: str):
+  return (lambda get, shape: get(name).reshape(shape)), (lambda a: {name: a})
+
+
+def _gate_up(gate: str, up: str):
+  """Separate gate and up Linear weights [F, D] <-> one [D, 2, F] weight."""
+  def to_jmoe(get: Get, shape) -> np.ndarray:
+    return np.stack([get(gate).T, get(up).T], axis=1).reshape(shape)
+
+  def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
+    return {gate: a[:, 0].T, up: a[:, 1].T}
+
+  return to_jmoe, to_hf
+
+
+def _per_expert(num_experts: int, make: Callable[[str], tuple]):
+  """A mapping applied to each expert e (names with `{e}`), stacked along a leading expert axis."""
+  def to_jmoe(get: Get, shape) -> np.ndarray:
+    return np.stack([make(str(e))[0](get, shape[1:]) for e in range(num_experts)])
+
+  def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
+    return {k: v for e in range(num_experts) for k, v in make(str(e))[1](a[e]).items()}
+
+  return to_jmoe, to_hf
+
+
+def layer_mappings(family: Family, num_experts: int) -> dict[tuple[str, ...], tuple]:
+  """Mappings for one transformer layer's parameters, by their path inside the block."""
+  gate, up, down = family.dense_names
+  egate, eup, edown = family.expert_names
+  dense, moe = family.dense_prefix, family.moe_prefix
+  expert = lambda name: f"{moe}.experts.{{e}}.{name}.weight"
+  return {
+      ("attn", "w_q_DHA"): _linear("self_attn.q_proj.weight", 1),
+      ("attn", "w_k_DGA"): _linear("self_attn.k_proj.weight", 1),
+      ("attn", "w_v_DGA"): _linear("self_attn.v_proj.weight", 1),
+      ("attn", "w_o_HAD"): _linear("self_attn.o_proj.weight", 2),
+      ("attn", "q_norm", "scale"): _same("self_attn.q_norm.weight"),
+      ("attn", "k_norm", "scale"): _same("self_attn.k_norm.weight"),
+      ("attn_norm", "scale"): _same("input_layernorm.weight"),
+      ("mlp_norm", "scale"): _same("post_attention_layernorm.weight"),
+      ("mlp", "w_in_D2F"): _gate_up(f"{dense}.{gate}.weight", f"{dense}.{up}.weight"),
+      ("mlp", "w_out_FD"): _linear(f"{dense}.{down}.weight", 1),
+      ("mlp", "router_DE"): _linear(f"{moe}.gate.weight", 1),
+      ("mlp", "w_in_ED2F"): _per_expert(num_experts, lambda e: _gate_up(
+          expert(egate).format(e=e), expert(eup).format(e=e))),
+      ("mlp", "w_out_EFD"): _per_expert(num_experts,
+                                        lambda e: _linear(expert(edown).format(e=e), 1)),
+  }
+
+
+TOP_MAPPINGS = {
+    ("embed", "table"): _same("model.embed_tokens.weight"),
+    ("final_norm", "scale"): _same("model.norm.weight"),
+    ("head_DV",): _linear("lm_head.weight", 1),
+}
+
+
+def _walk(config: Config, family: Family, params: nnx.State) -> Iterator[tuple]:
+  """(path, layer or None, HF name prefix, mapping) for every parameter (and layer) of the model."""
+  layers = layer_mappings(family, config.moe.num_experts)
+  first_moe = config.moe.first_k_dense
+  for path, variable in nnx.to_flat_state(params):
+    path = tuple(str(p) for p in path)
+    if path[0] in ("dense_blocks", "moe_blocks"):
+      if path[1:] not in layers:
+        raise ConfigError(f"no Hugging Face mapping for jmoe parameter {'.'.join(path)}")
+      offset = 0 if path[0] == "dense_blocks" else first_moe
+      for layer in range(variable.shape[0]):
+        yield path, variable, layer, f"model.layers.{layer + offset}.", layers[path[1:]]
+    else:
+      if path not in TOP_MAPPINGS:
+        raise ConfigError(f"no Hugging Face mapping for jmoe parameter {'.'.join(path)}")
+      yield path, variable, None, "", TOP_MAPPINGS[path]
+
+
+def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
+              params_dtype: str = "float32") -> Config:
+  """Reads a local Hugging Face model directory; writes a jmoe model checkpoint to `out`."""
+  hf_dir = pathlib.Path(hf_dir)
+  if not (hf_dir / "config.json").is_file():
+    raise ConfigError(f"{hf_dir / 'config.json'} does not exist: pass a local Hugging Face model "
+                      f"directory (config.json and *.safetensors)")
+  hf = json.loads((hf_dir / "config.json").read_text())
+  family = family_of_hf(hf)
+  model_cfg, moe_cfg = family.to_jmoe(hf)
+  config = from_config_dict(to_dict(Config(model=model_cfg, moe=moe_cfg,
+                                           precision=PrecisionConfig(params=params_dtype,
+                                                                     compute="float32"))))
+  read = SafetensorsReader(hf_dir)
+  params = nnx.state(nnx.eval_shape(model_factory(config)))
+  dtype = DTYPES[params_dtype]
+  values: dict[tuple, np.ndarray] = {}
+  for path, variable, layer, prefix, (to_jmoe, _) in _walk(config, family, params):
+    get = lambda name: read(prefix + name)
+    if layer is None:
+      values[path] = to_jmoe(get, variable.shape).astype(dtype)
+    else:
+      if path not in values:
+        values[path] = np.empty(variable.shape, dtype)
+      values[path][layer] = to_jmoe(get, variable.shape[1:])
+  for path, variable in nnx.to_flat_state(params):
+    variable.set_value(values.pop(tuple(str(p) for p in path)))
+  unused = sorted(set(read.weight_map) - read.used)
+  if unused:
+    log.warning("%d tensors of %s are not used by jmoe, e.g. %s", len(unused), hf_dir, unused[:3])
+  save_model(out, params, config)
+  return config
+
+
+def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
+              shard_bytes: int = 4 << 30, dtype: str | None = None) -> pathlib.Path:
+  """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory."""
+  layout = make_layout(ParallelConfig(), jax.devices()[:1])
+  config, model = load_model(checkpoint, layout)
+  family = check_exportable(config.model, config.moe)
+  params = nnx.state(model, nnx.Param)
+  out = pathlib.Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
+  writer = ShardedWriter(out, shard_bytes)
+  for path, variable, layer, prefix, (_, to_hf) in _walk(config, family, params):
+    value = np.asarray(jax.device_get(variable[...] if layer is None else variable[...][layer]))
+    for name, tensor in to_hf(value).items():
+      writer.add(prefix + name, tensor.astype(np_dtype))
+  writer.close()
+  hf = family.to_hf(config.model, config.moe)
+  hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
+  (out / "config.json").write_text(json.dumps(hf, indent=2))
+  return out

@@ -1,0 +1,48 @@
+"""Checkpoint conversion between jmoe and Hugging Face.
+
+  python -m jmoe.convert import-hf --hf-dir DIR --out CKPT [--params-dtype float32]
+  python -m jmoe.convert export-hf --checkpoint CKPT --out DIR [--dtype bfloat16] [--shard-gb 4]
+
+CKPT is a jmoe model checkpoint (what import-hf writes); export-hf also takes a training workdir and
+exports its latest checkpoint. Only local directories are read: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jmoe.cli import run
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jmoe.convert", description=__doc__.split("\n")[0])
+  commands = parser.add_subparsers(dest="command", required=True)
+  imp = commands.add_parser("import-hf", help="Hugging Face directory -> jmoe model checkpoint")
+  imp.add_argument("--hf-dir", required=True)
+  imp.add_argument("--out", required=True)
+  imp.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"])
+  exp = commands.add_parser("export-hf", help="jmoe checkpoint -> Hugging Face directory")
+  exp.add_argument("--checkpoint", required=True)
+  exp.add_argument("--out", required=True)
+  exp.add_argument("--dtype", choices=["float32", "bfloat16"],
+                   help="tensor dtype to write; default: the checkpoint's parameter dtype")
+  exp.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GB")
+  args = parser.parse_args(argv)
+
+  def command() -> int:
+    from jmoe.checkpoint.hf import export_hf, import_hf
+    if args.command == "import-hf":
+      config = import_hf(args.hf_dir, args.out, args.params_dtype)
+      print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
+            f"{config.moe.num_experts} experts)")
+    else:
+      out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype)
+      print(f"wrote {out}")
+    return 0
+
+  return run(command)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,93 @@
+"""Per-token log-probabilities of token sequences under a jmoe model.
+
+  python -m jmoe.score --checkpoint CKPT --tokens-file F [--out F.json]
+
+F holds one sequence per line, token ids separated by spaces. The output is a JSON list with one
+{"tokens": [...], "logprobs": [...]} per sequence, logprobs[i] = log p(tokens[i+1] | tokens[:i+1]).
+CKPT is a model checkpoint (from `jmoe.convert import-hf`) or a training workdir. The model runs
+data-parallel on all devices present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jmoe.cli import run
+from jmoe.config import ConfigError, ParallelConfig
+
+
+def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
+  sequences = []
+  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      tokens = [int(t) for t in line.split()]
+    except ValueError:
+      raise ConfigError(f"{path}:{number}: token ids must be integers separated by spaces")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+      raise ConfigError(f"{path}:{number}: token id {bad[0]} is outside the model's vocabulary "
+                        f"[0, {vocab_size})")
+    sequences.append(tokens)
+  if not sequences:
+    raise ConfigError(f"{path} holds no sequences")
+  return sequences
+
+
+def score(model: nnx.Module, layout, sequences: list[list[int]]) -> list[list[float]]:
+  """log p(next token) for every position but the last of each sequence."""
+  devices = layout.mesh.devices.size
+  batch = -(-len(sequences) // devices) * devices
+  length = max(len(s) for s in sequences)
+  tokens = np.zeros((batch, length), np.int32)  # padding sits after each sequence: causal, unseen
+  for i, s in enumerate(sequences):
+    tokens[i, :len(s)] = s
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def logprobs(state, tokens_BS):
+    logits_BSV, _ = nnx.merge(graphdef, state)(tokens_BS)
+    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
+    return jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
+
+  with layout.active():
+    out = np.asarray(logprobs(state, jax.device_put(tokens, layout.batch)))
+  return [out[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jmoe.score", description=__doc__.split("\n")[0])
+  parser.add_argument("--checkpoint", required=True)
+  parser.add_argument("--tokens-file", required=True)
+  parser.add_argument("--out", help="where to write the JSON; default: standard output")
+  args = parser.parse_args(argv)
+
+  def command() -> int:
+    from jmoe.checkpoint.params import load_model
+    from jmoe.parallel import make_layout
+    layout = make_layout(ParallelConfig())
+    config, model = load_model(args.checkpoint, layout)
+    sequences = read_tokens(args.tokens_file, config.model.vocab_size)
+    result = [{"tokens": s, "logprobs": lp} for s, lp in zip(sequences,
+                                                             score(model, layout, sequences))]
+    text = json.dumps(result)
+    if args.out:
+      pathlib.Path(args.out).write_text(text)
+    else:
+      print(text)
+    return 0
+
+  return run(command)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

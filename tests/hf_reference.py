@@ -1,0 +1,48 @@
+"""The Hugging Face side of the parity tests; runs under .venv-hf (torch + transformers), never
+under jmoe's own Python.
+
+  python hf_reference.py build FAMILY OUT_DIR SEED CONFIG_JSON [MAX_SHARD_SIZE]
+      a random-weight model from transformers' own config class, saved with save_pretrained
+  python hf_reference.py logprobs MODEL_DIR TOKENS_JSON OUT_JSON
+      log p(tokens[i+1] | tokens[:i+1]) for each sequence, in float32
+"""
+
+import json
+import sys
+
+import torch
+import transformers
+
+CLASSES = {
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+}
+
+
+def build(family, out_dir, seed, config_json, max_shard_size=None):
+  config_cls, model_cls = CLASSES[family]
+  torch.manual_seed(int(seed))
+  model = model_cls(config_cls(**json.loads(config_json))).float().eval()
+  with torch.no_grad():  # larger than the default init, so every weight visibly matters
+    for name, p in model.named_parameters():
+      if p.ndim >= 2:
+        p.normal_(0.0, 0.2)
+      elif "norm" in name:
+        p.uniform_(0.5, 1.5)
+  kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+  model.save_pretrained(out_dir, **kwargs)
+
+
+def logprobs(model_dir, tokens_json, out_json):
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  out = []
+  with torch.no_grad():
+    for tokens in json.load(open(tokens_json)):
+      ids = torch.tensor([tokens])
+      logp = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+      out.append(logp[:-1].gather(-1, ids[0, 1:, None])[:, 0].tolist())
+  json.dump(out, open(out_json, "w"))
+
+
+if __name__ == "__main__":
+  {"build": build, "logprobs": logprobs}[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,159 @@
+"""Hugging Face interop, against transformers itself (run under .venv-hf: scripts/hf_reference_env.sh).
+
+For each family: a tiny random-weight model built by transformers' own config class and saved with
+save_pretrained; jmoe imports it and its log-probs equal transformers' (float32) to 1e-4; export
+gives back every tensor exactly; a model trained by jmoe exports and loads in transformers with the
+same log-probs.
+"""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from jmoe.checkpoint.hf import SafetensorsReader, export_hf, import_hf
+from jmoe.checkpoint.params import load_model
+from jmoe.config import ConfigError, ParallelConfig
+from jmoe.parallel import make_layout
+from jmoe.score import score
+from jmoe.train.loop import train
+from helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"
+pytestmark = pytest.mark.skipif(not HF_PYTHON.exists(),
+                                reason="no reference Python: run scripts/hf_reference_env.sh")
+
+ROPE = lambda theta: {"rope_type": "default", "rope_theta": theta}
+FAMILIES = {  # name: (family, transformers config kwargs, max_shard_size)
+    "qwen3_moe": ("qwen3_moe", dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=3, norm_topk_prob=True, mlp_only_layers=[0],
+        rope_parameters=ROPE(1000.0), rms_norm_eps=1e-6), "30KB"),
+    "qwen3_moe_tied_top1_odd_heads": ("qwen3_moe", dict(
+        vocab_size=70, hidden_size=20, intermediate_size=24, moe_intermediate_size=12,
+        num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, head_dim=6,
+        num_experts=6, num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True,
+        rope_parameters=ROPE(10000.0), rms_norm_eps=1e-5), None),
+    "mixtral_window": ("mixtral", dict(
+        vocab_size=80, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=3, head_dim=4, num_local_experts=6,
+        num_experts_per_tok=2, sliding_window=5, rope_parameters=ROPE(5000.0)), None),
+}
+
+
+def hf(*args):
+  subprocess.run([str(HF_PYTHON), str(ROOT / "tests" / "hf_reference.py"), *map(str, args)],
+                 check=True, capture_output=True, timeout=300)
+
+
+def random_sequences(vocab, seed=0, lengths=(12, 7, 16)):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, vocab, size=n).tolist() for n in lengths]
+
+
+def hf_logprobs(model_dir, sequences, tmp):
+  tokens, out = tmp / "tokens.json", tmp / "logprobs.json"
+  tokens.write_text(json.dumps(sequences))
+  hf("logprobs", model_dir, tokens, out)
+  return json.loads(out.read_text())
+
+
+def jmoe_logprobs(checkpoint, sequences):
+  layout = make_layout(ParallelConfig())
+  _, model = load_model(checkpoint, layout)
+  return score(model, layout, sequences)
+
+
+def max_diff(a, b):
+  return max(float(np.max(np.abs(np.subtract(x, y)))) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
+  family, kwargs, shard = FAMILIES[name]
+  hf_dir = tmp_path / "hf"
+  hf("build", family, hf_dir, 0, json.dumps(kwargs), *([shard] if shard else []))
+  if shard:
+    assert (hf_dir / "model.safetensors.index.json").is_file()  # the sharded layout is covered
+  sequences = random_sequences(kwargs["vocab_size"])
+  reference = hf_logprobs(hf_dir, sequences, tmp_path)
+
+  config = import_hf(hf_dir, tmp_path / "ckpt")
+  assert config.model.family == family
+  ours = jmoe_logprobs(tmp_path / "ckpt", sequences)
+  assert [len(x) for x in ours] == [len(s) - 1 for s in sequences]
+  assert max_diff(ours, reference) < 1e-4, max_diff(ours, reference)
+
+  export_hf(tmp_path / "ckpt", tmp_path / "back", shard_bytes=20_000)
+  original, exported = SafetensorsReader(hf_dir), SafetensorsReader(tmp_path / "back")
+  assert set(exported.weight_map) == set(original.weight_map)
+  for key in original.weight_map:
+    np.testing.assert_array_equal(exported(key), original(key), err_msg=key)
+
+
+def test_a_jmoe_trained_model_exports_to_transformers(tmp_path):
+  config = tiny_config(model=dict(family="qwen3_moe", qk_norm=True, num_heads=4, num_kv_heads=2),
+                       train=dict(steps=5, warmup_steps=1))
+  train(config, tmp_path / "run", progress=False)
+  export_hf(tmp_path / "run", tmp_path / "hf")
+  sequences = random_sequences(config.model.vocab_size, seed=1)
+  reference = hf_logprobs(tmp_path / "hf", sequences, tmp_path)
+  ours = jmoe_logprobs(tmp_path / "run", sequences)
+  assert max_diff(ours, reference) < 1e-4, max_diff(ours, reference)
+
+
+def test_conversion_errors_name_the_problem(tmp_path):
+  with pytest.raises(ConfigError, match="config.json does not exist"):
+    import_hf(tmp_path, tmp_path / "out")
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                    "architectures": ["LlamaForCausalLM"]}))
+  with pytest.raises(ConfigError, match=r"unsupported architecture \['LlamaForCausalLM'\]"):
+    import_hf(tmp_path, tmp_path / "out")
+  family, kwargs, _ = FAMILIES["mixtral_window"]
+  hf("build", family, tmp_path / "m", 0, json.dumps(kwargs))
+  from safetensors.numpy import save_file
+  with safe_open(tmp_path / "m" / "model.safetensors", "np") as f:
+    tensors = {k: f.get_tensor(k) for k in f.keys() if "experts.3.w2" not in k}
+  save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
+  with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.block_sparse_moe.experts.3"
+                                        r".w2.weight' is missing"):
+    import_hf(tmp_path / "m", tmp_path / "out")
+  with pytest.raises(ConfigError, match="set it to one of"):
+    run = tmp_path / "plain"
+    train(tiny_config(train=dict(steps=2, warmup_steps=1)), run, progress=False)
+    export_hf(run, tmp_path / "x")
+
+
+def test_convert_and_score_commands(tmp_path):
+  family, kwargs, _ = FAMILIES["mixtral_window"]
+  hf("build", family, tmp_path / "hf", 3, json.dumps(kwargs))
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+         "PATH": "/usr/bin:/bin"}
+  run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
+                                     cwd=ROOT, env=env, timeout=300)
+  result = run("jmoe.convert", "import-hf", "--hf-dir", tmp_path / "hf", "--out", tmp_path / "ck")
+  assert result.returncode == 0, result.stderr
+  sequences = random_sequences(kwargs["vocab_size"], seed=2)
+  (tmp_path / "tokens.txt").write_text("\n".join(" ".join(map(str, s)) for s in sequences) + "\n")
+  result = run("jmoe.score", "--checkpoint", tmp_path / "ck", "--tokens-file",
+               tmp_path / "tokens.txt", "--out", tmp_path / "scores.json")
+  assert result.returncode == 0, result.stderr
+  scores = json.loads((tmp_path / "scores.json").read_text())
+  assert [s["tokens"] for s in scores] == sequences
+  reference = hf_logprobs(tmp_path / "hf", sequences, tmp_path)
+  assert max_diff([s["logprobs"] for s in scores], reference) < 1e-4
+  result = run("jmoe.convert", "export-hf", "--checkpoint", tmp_path / "ck", "--out",
+               tmp_path / "out", "--dtype", "bfloat16")
+  assert result.returncode == 0, result.stderr
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+
+  (tmp_path / "bad.txt").write_text("1 2 300\n")
+  result = run("jmoe.score", "--checkpoint", tmp_path / "ck", "--tokens-file", tmp_path / "bad.txt")
+  assert result.returncode == 2 and "token id 300 is outside the model's vocabulary" in result.stderr

@@ -1,0 +1,40 @@
+"""The published model presets have the published parameter counts."""
+
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from jmoe.config import load_config
+from jmoe.train.state import model_factory
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PUBLISHED = {  # config file: (total, active) parameters as their authors state them
+    "qwen3_30b_a3b.py": (30.5e9, 3.3e9),
+    "qwen3_235b_a22b.py": (235e9, 22e9),
+    "mixtral_8x7b.py": (46.7e9, 12.9e9),
+}
+
+
+def count(config):
+  state = nnx.state(nnx.eval_shape(model_factory(config)), nnx.Param)
+  total = sum(x.size for x in jax.tree.leaves(state))
+  experts = sum(v.size for path, v in nnx.to_flat_state(state)
+                if path[-1] in ("w_in_ED2F", "w_out_EFD"))
+  active = total - experts * (1 - config.moe.top_k / config.moe.num_experts)
+  return total, active
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_parameter_counts_match_published(name):
+  total, active = count(load_config(ROOT / "configs" / name))
+  published_total, published_active = PUBLISHED[name]
+  assert abs(total / published_total - 1) < 0.01, total
+  assert abs(active / published_active - 1) < 0.02, active
+
+
+@pytest.mark.parametrize("name", ["tiny_moe.py", "tiny_qwen3_moe.py", "tiny_mixtral.py"])
+def test_tiny_presets_load(name):
+  config = load_config(ROOT / "configs" / name)
+  assert config.moe.num_experts % 8 == 0 and config.train.batch_size % 8 == 0
