@@ -1,7 +1,7 @@
 """Batches of token windows, the same for a given (seed, step) on every run and every host.
 
-The token stream is all documents, each closed by an end-of-document token. The last 1% of the
-stream is held out for evaluation. A training batch is `batch_size` windows of seq_len + 1 tokens
+The token stream is all documents, each closed by an end-of-document token. A training batch is
+`batch_size` windows of seq_len + 1 tokens
 at offsets drawn from a generator seeded by (seed, step): no iterator state, so a resumed run sees
 exactly the batches it would have seen.
 """
@@ -14,9 +14,6 @@ from jmoe.config import ConfigError, DataConfig
 from jmoe.data.corpus import stdlib_documents
 from jmoe.data.tokenizer import ByteTokenizer
 
-EVAL_FRACTION = 0.01
-
-
 class WindowSampler:
 
   def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
@@ -24,9 +21,7 @@ class WindowSampler:
       raise ValueError(f"the corpus has {tokens.size} tokens, too few for windows of {seq_len + 1}")
     self.seq_len = seq_len
     self.seed = seed
-    split = int(tokens.size * (1 - EVAL_FRACTION))
-    self.train_tokens = tokens[:split]
-    self.eval_tokens = tokens[split:]
+    self.train_tokens = tokens
 
   def batch(self, step: int, batch_size: int) -> dict[str, np.ndarray]:
     """The global batch for `step`: {'tokens': int32 [batch_size, seq_len + 1]}."""
