@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
   exp.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="tensor dtype to write; default: the checkpoint's parameter dtype")
   exp.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GB")
+  exp.add_argument("--rope-interleave", choices=["true", "false"],
+                   help="DeepSeek-V3: rotary weights interleaved (its checkpoints' layout, the "
+                        "default) or half-split")
   args = parser.parse_args(argv)
 
   def command() -> int:
@@ -37,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
       print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
             f"{config.moe.num_experts} experts)")
     else:
-      out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype)
+      interleave = None if args.rope_interleave is None else args.rope_interleave == "true"
+      out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype, interleave)
       print(f"wrote {out}")
     return 0
 

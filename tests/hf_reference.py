@@ -16,6 +16,7 @@ import transformers
 CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
 }
 
 
@@ -29,12 +30,16 @@ def build(family, out_dir, seed, config_json, max_shard_size=None):
         p.normal_(0.0, 0.2)
       elif "norm" in name:
         p.uniform_(0.5, 1.5)
+    for name, b in model.named_buffers():
+      if "e_score_correction_bias" in name:  # DeepSeek's selection bias
+        b.uniform_(-0.3, 0.3)
   kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
   model.save_pretrained(out_dir, **kwargs)
 
 
 def logprobs(model_dir, tokens_json, out_json):
-  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      model_dir, dtype=torch.float32, experts_implementation="eager").eval()  # the per-expert loop
   out = []
   with torch.no_grad():
     for tokens in json.load(open(tokens_json)):

@@ -41,6 +41,23 @@ FAMILIES = {  # name: (family, transformers config kwargs, max_shard_size)
         num_hidden_layers=2, num_attention_heads=5, num_key_value_heads=1, head_dim=6,
         num_experts=6, num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True,
         rope_parameters=ROPE(10000.0), rms_norm_eps=1e-5), None),
+    "deepseek_v3_yarn_interleaved": ("deepseek_v3", dict(
+        vocab_size=90, hidden_size=32, intermediate_size=40, moe_intermediate_size=12,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, q_lora_rank=16,
+        kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+        rope_interleave=True, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}), "40KB"),
+    "deepseek_v3_plain_q": ("deepseek_v3", dict(
+        vocab_size=64, hidden_size=24, intermediate_size=30, moe_intermediate_size=10,
+        num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, n_routed_experts=6,
+        n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=0, n_group=1,
+        topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None,
+        kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=6, v_head_dim=8,
+        rope_interleave=False, rms_norm_eps=1e-6, rope_parameters=ROPE(5000.0)), None),
     "mixtral_window": ("mixtral", dict(
         vocab_size=80, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=3, head_dim=4, num_local_experts=6,
@@ -91,16 +108,30 @@ def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
   assert [len(x) for x in ours] == [len(s) - 1 for s in sequences]
   assert max_diff(ours, reference) < 1e-4, max_diff(ours, reference)
 
-  export_hf(tmp_path / "ckpt", tmp_path / "back", shard_bytes=20_000)
+  export_hf(tmp_path / "ckpt", tmp_path / "back", shard_bytes=20_000,
+            rope_interleave=kwargs.get("rope_interleave"))
   original, exported = SafetensorsReader(hf_dir), SafetensorsReader(tmp_path / "back")
   assert set(exported.weight_map) == set(original.weight_map)
   for key in original.weight_map:
     np.testing.assert_array_equal(exported(key), original(key), err_msg=key)
 
 
-def test_a_jmoe_trained_model_exports_to_transformers(tmp_path):
-  config = tiny_config(model=dict(family="qwen3_moe", qk_norm=True, num_heads=4, num_kv_heads=2),
-                       train=dict(steps=5, warmup_steps=1))
+TRAINED = {
+    "qwen3_moe": dict(model=dict(family="qwen3_moe", qk_norm=True, num_heads=4, num_kv_heads=2)),
+    "deepseek_v3": dict(
+        model=dict(family="deepseek_v3", attention="mla", num_heads=4, num_kv_heads=4,
+                   mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
+                            qk_rope_head_dim=4, v_head_dim=8),
+                   yarn=dict(factor=4.0, original_max_len=8, mscale_all_dim=1.0)),
+        moe=dict(num_shared_experts=1, router=dict(score="sigmoid", num_groups=4, topk_groups=2,
+                                                   scaling_factor=2.5),
+                 balance=dict(bias_update_rate=0.01))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_a_jmoe_trained_model_exports_to_transformers(name, tmp_path):
+  config = tiny_config(**TRAINED[name], train=dict(steps=5, warmup_steps=1))
   train(config, tmp_path / "run", progress=False)
   export_hf(tmp_path / "run", tmp_path / "hf")
   sequences = random_sequences(config.model.vocab_size, seed=1)

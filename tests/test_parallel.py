@@ -167,3 +167,25 @@ def test_per_device_state_memory_shrinks_as_computed():
   for expert in (dict(data=1, expert=8), dict(data=1, expert=2, tensor=4)):
     xla, computed = compiled_state_bytes(dict(data=8), expert)
     np.testing.assert_allclose(xla, computed, rtol=0.01)
+
+
+DEEPSEEK_LIKE = dict(
+    model=dict(MODEL, attention="mla", mla=dict(q_lora_rank=16, kv_lora_rank=16,
+                                                 qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                 v_head_dim=8),
+               yarn=dict(factor=4.0, original_max_len=8, mscale_all_dim=1.0)),
+    moe=dict(num_shared_experts=1, router=dict(score="sigmoid", num_groups=4, topk_groups=2,
+                                               scaling_factor=2.5),
+             balance=dict(bias_update_rate=0.001, aux_loss_type="seq")))
+
+
+@pytest.mark.parametrize("name", ["tp2_dp4_ep8", "cp2_fsdp4_ep8"])
+def test_latent_attention_and_shared_experts_match_single_device(name):
+  dense, expert = LAYOUTS[name]
+  config = tiny_config(**DEEPSEEK_LIKE, parallel=dict(dense=dense, expert=expert))
+  ref_loss, _, ref_grads = loss_and_grads(tiny_config(**DEEPSEEK_LIKE), jax.devices()[:1])
+  loss, _, grads = loss_and_grads(config, jax.devices())
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
+  for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * scale)

@@ -14,6 +14,7 @@ PUBLISHED = {  # config file: (total, active) parameters as their authors state 
     "qwen3_30b_a3b.py": (30.5e9, 3.3e9),
     "qwen3_235b_a22b.py": (235e9, 22e9),
     "mixtral_8x7b.py": (46.7e9, 12.9e9),
+    "deepseek_v3.py": (671e9, 37e9),
 }
 
 
@@ -34,7 +35,8 @@ def test_parameter_counts_match_published(name):
   assert abs(active / published_active - 1) < 0.02, active
 
 
-@pytest.mark.parametrize("name", ["tiny_moe.py", "tiny_qwen3_moe.py", "tiny_mixtral.py"])
+@pytest.mark.parametrize("name", ["tiny_moe.py", "tiny_qwen3_moe.py", "tiny_mixtral.py",
+                                  "tiny_deepseek_v3.py"])
 def test_tiny_presets_load(name):
   config = load_config(ROOT / "configs" / name)
   assert config.moe.num_experts % 8 == 0 and config.train.batch_size % 8 == 0

@@ -137,8 +137,28 @@ def _per_expert(num_experts: int, make: Callable[[str], tuple]):
   return to_jmoe, to_hf
 
 
-def layer_mappings(family: Family, num_experts: int) -> dict[tuple[str, ...], tuple]:
+def _rope_interleaved(mapping, start: int, size: int):
+  """Checkpoints that rotate interleaved pairs (x0, x1), (x2, x3)...: the `size` rotary entries
+  from `start` on the last axis are reordered into jmoe's half-split layout, and back on export.
+  Queries and keys are reordered alike, so attention scores do not change."""
+  to_jmoe, to_hf = mapping
+  order = np.concatenate([np.arange(0, size, 2), np.arange(1, size, 2)]) + start
+
+  def permute(a, index):
+    out = a.copy()
+    out[..., start:start + size] = a[..., index]
+    return out
+
+  return ((lambda get, shape: permute(to_jmoe(get, shape), order)),
+          (lambda a: to_hf(permute(a, np.argsort(order) + start))))
+
+
+def layer_mappings(family: Family, config: Config, interleaved: bool = False
+                   ) -> dict[tuple[str, ...], tuple]:
   """Mappings for one transformer layer's parameters, by their path inside the block."""
+  num_experts, mla = config.moe.num_experts, config.model.mla
+  rope = (lambda mapping, start: _rope_interleaved(mapping, start, mla.qk_rope_head_dim)
+          ) if interleaved else (lambda mapping, start: mapping)
   gate, up, down = family.dense_names
   egate, eup, edown = family.expert_names
   dense, moe = family.dense_prefix, family.moe_prefix
@@ -159,6 +179,20 @@ def layer_mappings(family: Family, num_experts: int) -> dict[tuple[str, ...], tu
           expert(egate).format(e=e), expert(eup).format(e=e))),
       ("mlp", "w_out_EFD"): _per_expert(num_experts,
                                         lambda e: _linear(expert(edown).format(e=e), 1)),
+      ("mlp", "shared", "w_in_D2F"): _gate_up(f"{moe}.shared_experts.{gate}.weight",
+                                              f"{moe}.shared_experts.{up}.weight"),
+      ("mlp", "shared", "w_out_FD"): _linear(f"{moe}.shared_experts.{down}.weight", 1),
+      ("mlp", "expert_bias_E"): _same(f"{moe}.gate.e_score_correction_bias"),
+      # Multi-head latent attention.
+      ("attn", "w_q_DHK"): rope(_linear("self_attn.q_proj.weight", 1), mla.qk_nope_head_dim),
+      ("attn", "w_q_a_DR"): _linear("self_attn.q_a_proj.weight", 1),
+      ("attn", "q_a_norm", "scale"): _same("self_attn.q_a_layernorm.weight"),
+      ("attn", "w_q_b_RHK"): rope(_linear("self_attn.q_b_proj.weight", 1), mla.qk_nope_head_dim),
+      ("attn", "w_kv_a_DR"): rope(_linear("self_attn.kv_a_proj_with_mqa.weight", 1),
+                                  mla.kv_lora_rank),
+      ("attn", "kv_a_norm", "scale"): _same("self_attn.kv_a_layernorm.weight"),
+      ("attn", "w_kv_b_RHK"): _linear("self_attn.kv_b_proj.weight", 1),
+      ("attn", "w_o_HVD"): _linear("self_attn.o_proj.weight", 2),
   }
 
 
@@ -169,9 +203,10 @@ TOP_MAPPINGS = {
 }
 
 
-def _walk(config: Config, family: Family, params: nnx.State) -> Iterator[tuple]:
+def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
+          ) -> Iterator[tuple]:
   """(path, layer or None, HF name prefix, mapping) for every parameter (and layer) of the model."""
-  layers = layer_mappings(family, config.moe.num_experts)
+  layers = layer_mappings(family, config, interleaved)
   first_moe = config.moe.first_k_dense
   for path, variable in nnx.to_flat_state(params):
     path = tuple(str(p) for p in path)
@@ -202,15 +237,15 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
                                                                      compute="float32"))))
   read = SafetensorsReader(hf_dir)
   params = nnx.state(nnx.eval_shape(model_factory(config)))
-  dtype = DTYPES[params_dtype]
   values: dict[tuple, np.ndarray] = {}
-  for path, variable, layer, prefix, (to_jmoe, _) in _walk(config, family, params):
+  interleaved = bool(hf.get("rope_interleave", False))
+  for path, variable, layer, prefix, (to_jmoe, _) in _walk(config, family, params, interleaved):
     get = lambda name: read(prefix + name)
     if layer is None:
-      values[path] = to_jmoe(get, variable.shape).astype(dtype)
+      values[path] = to_jmoe(get, variable.shape).astype(variable.dtype)
     else:
       if path not in values:
-        values[path] = np.empty(variable.shape, dtype)
+        values[path] = np.empty(variable.shape, variable.dtype)
       values[path][layer] = to_jmoe(get, variable.shape[1:])
   for path, variable in nnx.to_flat_state(params):
     variable.set_value(values.pop(tuple(str(p) for p in path)))
@@ -222,22 +257,32 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
 
 
 def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
-              shard_bytes: int = 4 << 30, dtype: str | None = None) -> pathlib.Path:
-  """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory."""
+              shard_bytes: int = 4 << 30, dtype: str | None = None,
+              rope_interleave: bool | None = None) -> pathlib.Path:
+  """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory.
+
+  `rope_interleave` (DeepSeek-V3 only) picks the rotary weight layout; default: interleaved, as
+  DeepSeek's own checkpoints are.
+  """
   layout = make_layout(ParallelConfig(), jax.devices()[:1])
   config, model = load_model(checkpoint, layout)
   family = check_exportable(config.model, config.moe)
-  params = nnx.state(model, nnx.Param)
+  params = nnx.state(model)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)
   np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
   writer = ShardedWriter(out, shard_bytes)
-  for path, variable, layer, prefix, (_, to_hf) in _walk(config, family, params):
-    value = np.asarray(jax.device_get(variable[...] if layer is None else variable[...][layer]))
-    for name, tensor in to_hf(value).items():
-      writer.add(prefix + name, tensor.astype(np_dtype))
-  writer.close()
   hf = family.to_hf(config.model, config.moe)
+  if "rope_interleave" in hf and rope_interleave is not None:
+    hf["rope_interleave"] = rope_interleave
+  interleaved = bool(hf.get("rope_interleave", False))
+  for path, variable, layer, prefix, (_, to_hf) in _walk(config, family, params, interleaved):
+    value = np.asarray(jax.device_get(variable[...] if layer is None else variable[...][layer]))
+    # Parameters in the asked dtype; other state (DeepSeek's selection bias) stays float32.
+    out_dtype = np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
+    for name, tensor in to_hf(value).items():
+      writer.add(prefix + name, tensor.astype(out_dtype))
+  writer.close()
   hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
   (out / "config.json").write_text(json.dumps(hf, indent=2))
   return out

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from jmoe.config import ConfigError, ModelConfig, MoEConfig, RouterConfig
+from jmoe.config import (BalanceConfig, ConfigError, MLAConfig, ModelConfig, MoEConfig,
+                         RouterConfig, YarnConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +35,33 @@ def _get(hf: dict, key: str, *alternatives: str, default: Any = ConfigError) -> 
   return default
 
 
-def _rope_theta(hf: dict) -> float:
+def _rope(hf: dict) -> dict:
+  """rope_theta and yarn for ModelConfig from rope_parameters (or the older rope_scaling)."""
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   kind = rope.get("rope_type", rope.get("type", "default"))
-  if kind not in ("default", None):
-    raise ConfigError(f"rope type {kind!r} is not supported for this architecture yet")
-  return float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  if kind in ("default", None):
+    return dict(rope_theta=theta)
+  if kind != "yarn":
+    raise ConfigError(f"rope type {kind!r} is not supported; jmoe has default and yarn")
+  if rope.get("attention_factor") is not None:
+    raise ConfigError("rope_parameters.attention_factor is not supported; give mscale instead")
+  original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+  return dict(rope_theta=theta, yarn=YarnConfig(
+      factor=float(rope["factor"]), original_max_len=int(original),
+      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
+      mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
+      truncate=bool(rope.get("truncate", True))))
+
+
+def _rope_to_hf(m: ModelConfig) -> dict:
+  if m.yarn.factor <= 1:
+    return {"rope_type": "default", "rope_theta": m.rope_theta}
+  y = m.yarn
+  return {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": y.factor,
+          "original_max_position_embeddings": y.original_max_len, "beta_fast": y.beta_fast,
+          "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
+          "truncate": y.truncate}
 
 
 def _common(hf: dict) -> dict:
@@ -50,7 +72,7 @@ def _common(hf: dict) -> dict:
               num_layers=_get(hf, "num_hidden_layers"), num_heads=heads,
               num_kv_heads=_get(hf, "num_key_value_heads", default=heads),
               head_dim=_get(hf, "head_dim", default=d_model // heads),
-              rope_theta=_rope_theta(hf), norm_eps=float(_get(hf, "rms_norm_eps")),
+              **_rope(hf), norm_eps=float(_get(hf, "rms_norm_eps")),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
@@ -58,7 +80,7 @@ def _common_to_hf(m: ModelConfig) -> dict:
   return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.num_layers,
               num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
               head_dim=m.head_dim, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
-              rope_parameters={"rope_type": "default", "rope_theta": m.rope_theta},
+              rope_parameters=_rope_to_hf(m),
               hidden_act="silu", attention_bias=False, initializer_range=m.init_std)
 
 
@@ -112,11 +134,52 @@ def _mixtral_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
               router_aux_loss_coef=moe.balance.aux_loss_coef)
 
 
+def _deepseek_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
+  common = _common(hf)
+  nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
+  common.update(num_kv_heads=common["num_heads"], head_dim=nope + rope)
+  model = ModelConfig(**common, d_ff=_get(hf, "intermediate_size"), attention="mla",
+                      mla=MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0,
+                                    kv_lora_rank=_get(hf, "kv_lora_rank"), qk_nope_head_dim=nope,
+                                    qk_rope_head_dim=rope, v_head_dim=_get(hf, "v_head_dim")),
+                      family="deepseek_v3")
+  moe = MoEConfig(
+      num_experts=_get(hf, "n_routed_experts", "num_local_experts"),
+      top_k=_get(hf, "num_experts_per_tok"), d_ff_expert=_get(hf, "moe_intermediate_size"),
+      num_shared_experts=hf.get("n_shared_experts") or 0,
+      first_k_dense=hf.get("first_k_dense_replace") or 0,
+      router=RouterConfig(score="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                          scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+                          num_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1),
+      # DeepSeek-V3's recipe: a small sequence-wise balance loss and the selection bias.
+      balance=BalanceConfig(aux_loss_coef=0.0001, aux_loss_type="seq", bias_update_rate=0.001))
+  return model, moe
+
+
+def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
+  return dict(_common_to_hf(m), architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+              intermediate_size=m.d_ff, moe_intermediate_size=moe.d_ff_expert,
+              n_routed_experts=moe.num_experts, n_shared_experts=moe.num_shared_experts,
+              num_experts_per_tok=moe.top_k, first_k_dense_replace=moe.first_k_dense,
+              n_group=moe.router.num_groups, topk_group=moe.router.topk_groups,
+              norm_topk_prob=moe.router.norm_topk_prob,
+              routed_scaling_factor=moe.router.scaling_factor,
+              q_lora_rank=m.mla.q_lora_rank or None, kv_lora_rank=m.mla.kv_lora_rank,
+              qk_nope_head_dim=m.mla.qk_nope_head_dim, qk_rope_head_dim=m.mla.qk_rope_head_dim,
+              v_head_dim=m.mla.v_head_dim, rope_interleave=True,
+              head_dim=m.mla.qk_rope_head_dim,  # transformers' rotary size for DeepSeek
+              max_position_embeddings=max(m.yarn.original_max_len,
+                                          int(m.yarn.original_max_len * m.yarn.factor)))
+
+
 FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_to_jmoe, _qwen3_to_hf,
                         moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj")),
     "mixtral": Family("MixtralForCausalLM", "mixtral", _mixtral_to_jmoe, _mixtral_to_hf,
                       moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_to_jmoe,
+                          _deepseek_to_hf, moe_prefix="mlp",
+                          expert_names=("gate_proj", "up_proj", "down_proj")),
 }
 
 
@@ -135,18 +198,23 @@ def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:
   if m.family not in FAMILIES:
     raise ConfigError(f"model.family is {m.family!r}; set it to one of {sorted(FAMILIES)} to "
                       f"export to Hugging Face")
-  problems = []
-  if moe.num_shared_experts:
-    problems.append("shared experts")
-  if moe.router.score != "softmax" or moe.router.num_groups > 1 or moe.router.bias:
-    problems.append("a router other than softmax top-k without groups or bias")
-  if moe.router.scaling_factor != 1.0:
-    problems.append("a router scaling factor")
-  if m.family == "mixtral":
-    if m.qk_norm or moe.first_k_dense or not moe.router.norm_topk_prob:
-      problems.append("qk_norm, dense first layers or unnormalised top-k weights")
-  elif not m.qk_norm:
-    problems.append("attention without qk_norm")
-  if problems:
-    raise ConfigError(f"model.family={m.family} cannot express: {', '.join(problems)}")
+  r = moe.router
+  if m.family == "deepseek_v3":
+    needs = {"model.attention=mla": m.attention == "mla", "moe.router.score=sigmoid":
+             r.score == "sigmoid", "no router bias": not r.bias, "moe.balance.bias_update_rate > 0 "
+             "(the selection bias)": moe.balance.bias_update_rate > 0,
+             "model.sliding_window=0": not m.sliding_window, "model.qk_norm=False": not m.qk_norm}
+  else:
+    needs = {"model.attention=gqa": m.attention == "gqa", "moe.router.score=softmax":
+             r.score == "softmax", "no router groups, bias or scaling": r.num_groups == 1 and
+             not r.bias and r.scaling_factor == 1.0, "no shared experts": not moe.num_shared_experts,
+             "no selection bias": moe.balance.bias_update_rate == 0}
+    if m.family == "mixtral":
+      needs.update({"model.qk_norm=False": not m.qk_norm, "moe.first_k_dense=0":
+                    not moe.first_k_dense, "moe.router.norm_topk_prob=True": r.norm_topk_prob})
+    else:
+      needs["model.qk_norm=True"] = m.qk_norm
+  missing = [what for what, ok in needs.items() if not ok]
+  if missing:
+    raise ConfigError(f"model.family={m.family} needs {', '.join(missing)}")
   return FAMILIES[m.family]

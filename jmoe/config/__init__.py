@@ -4,5 +4,6 @@ from jmoe.config.load import (apply_overrides, defaults, from_config_dict, load_
                               read_config_file)
 from jmoe.config.schema import (BalanceConfig, CheckpointConfig, Config, DataConfig, DenseLayout,
                                 ExpertLayout, MoEConfig, ModelConfig, ParallelConfig,
-                                PrecisionConfig, RouterConfig, TrainConfig, to_dict)
+                                MLAConfig, PrecisionConfig, RouterConfig, TrainConfig, YarnConfig,
+                                to_dict)
 from jmoe.config.validate import ConfigError, validate

@@ -11,6 +11,29 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class YarnConfig:
+  """YaRN rotary scaling; factor 1 turns it off."""
+  factor: float = 1.0
+  original_max_len: int = 4096  # the context length the model was pretrained with
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 1.0
+  mscale_all_dim: float = 0.0  # > 0: the softmax scale is also multiplied by mscale(all_dim)^2
+  truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+  """Multi-head latent attention (DeepSeek-V2/V3): queries and keys/values through low-rank
+  latents, and a decoupled rotary part shared by all heads."""
+  q_lora_rank: int = 0  # 0: queries straight from the model width
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+
+
+@dataclass(frozen=True)
 class ModelConfig:
   vocab_size: int = 264
   d_model: int = 128
@@ -23,10 +46,13 @@ class ModelConfig:
   norm_eps: float = 1e-6
   tie_embeddings: bool = False
   init_std: float = 0.02
+  attention: str = "gqa"  # gqa (grouped-query) | mla (multi-head latent, see `mla`)
+  mla: MLAConfig = field(default_factory=MLAConfig)
+  yarn: YarnConfig = field(default_factory=YarnConfig)
   qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
   sliding_window: int = 0  # attend to the last this-many tokens only (0: the whole causal past)
   # The Hugging Face architecture this model converts to and from (jmoe.convert): "" (none),
-  # qwen3_moe or mixtral.
+  # qwen3_moe, mixtral or deepseek_v3.
   family: str = ""
 
 

@@ -15,7 +15,8 @@ DROP_POLICIES = ("probability", "position")
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("stdlib",)
-FAMILIES = ("", "qwen3_moe", "mixtral")
+FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3")
+ATTENTIONS = ("gqa", "mla")
 
 
 class ConfigError(ValueError):
@@ -51,6 +52,14 @@ def _model(config: Config):
   if m.sliding_window < 0:
     yield f"model.sliding_window must be >= 0 (0: no window), got {m.sliding_window}"
   yield from _one_of("model.family", m.family, FAMILIES)
+  yield from _one_of("model.attention", m.attention, ATTENTIONS)
+  if m.attention == "mla":
+    yield from _positive("model.mla", m.mla, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                         "v_head_dim")
+    if m.mla.qk_rope_head_dim % 2:
+      yield f"model.mla.qk_rope_head_dim must be even, got {m.mla.qk_rope_head_dim}"
+  if m.yarn.factor < 1:
+    yield f"model.yarn.factor must be >= 1 (1: no YaRN scaling), got {m.yarn.factor}"
 
 
 def _moe(config: Config):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig
 from jmoe.model.layers import RMSNorm, param
-from jmoe.model.rope import apply_rope
+from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.parallel import constrain
 
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
@@ -45,10 +45,11 @@ class Attention(nnx.Module):
     v_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_v_DGA[...].astype(dt))
     if self.q_norm is not None:
       q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
-    q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta), Q_AXES)
-    k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta), KV_AXES)
+    q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta, self.cfg.yarn), Q_AXES)
+    k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta, self.cfg.yarn), KV_AXES)
     v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True,
-                                            local_window_size=self.window)
+    out_BSHA = jax.nn.dot_product_attention(
+        q_BSHA, k_BSGA, v_BSGA, is_causal=True, local_window_size=self.window,
+        scale=softmax_scale(self.cfg.head_dim, self.cfg.yarn))
     out_BSHA = constrain(out_BSHA, Q_AXES)
     return jnp.einsum("bsha,had->bsd", out_BSHA, self.w_o_HAD[...].astype(dt))

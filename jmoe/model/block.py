@@ -8,6 +8,7 @@ from flax import nnx
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
 from jmoe.model.layers import RMSNorm
+from jmoe.model.mla import MLAttention
 from jmoe.model.mlp import SwiGLU
 from jmoe.moe.layer import MoE
 from jmoe.parallel import constrain
@@ -23,7 +24,7 @@ class Block(nnx.Module):
                rngs: nnx.Rngs):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
-    self.attn = Attention(cfg, dtype=dtype, **kw)
+    self.attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype=dtype, **kw)
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
     if moe is None:
       self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, dtype=dtype, **kw)

@@ -1,0 +1,71 @@
+"""Multi-head latent attention (DeepSeek-V2/V3).
+
+Queries come from the model width directly or through a normalised rank-R_q latent; keys and values
+come from one normalised rank-R_kv latent per token, expanded per head; a separate R-dim rotary key
+is shared by all heads. Letters here: R latent rank, N no-rope head dims, P rope head dims, V value
+head dims, K = N + P query/key head dims.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jmoe.config import ModelConfig
+from jmoe.model.attention import KV_AXES, Q_AXES
+from jmoe.model.layers import RMSNorm, param
+from jmoe.model.rope import apply_rope, softmax_scale
+from jmoe.parallel import constrain
+
+# DeepSeek's latent norms use this epsilon whatever the model's own norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+    self.cfg, self.dtype = cfg, dtype
+    m, d, h, std = cfg.mla, cfg.d_model, cfg.num_heads, cfg.init_std
+    k = m.qk_nope_head_dim + m.qk_rope_head_dim
+    kw = dict(std=std, dtype=param_dtype)
+    if m.q_lora_rank:
+      self.w_q_a_DR = param(rngs, (d, m.q_lora_rank), ("embed", None), **kw)
+      self.q_a_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
+      self.w_q_b_RHK = param(rngs, (m.q_lora_rank, h, k), (None, "heads", None), **kw)
+    else:
+      self.w_q_DHK = param(rngs, (d, h, k), ("embed", "heads", None), **kw)
+    self.w_kv_a_DR = param(rngs, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None), **kw)
+    self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
+    self.w_kv_b_RHK = param(rngs, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
+                            (None, "heads", None), **kw)
+    self.w_o_HVD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
+
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+    m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
+    w = lambda p: p[...].astype(dt)
+    if m.q_lora_rank:
+      q_BSR = self.q_a_norm(jnp.einsum("bsd,dr->bsr", x_BSD, w(self.w_q_a_DR)))
+      q_BSHK = jnp.einsum("bsr,rhk->bshk", q_BSR, w(self.w_q_b_RHK))
+    else:
+      q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, w(self.w_q_DHK))
+    kv_BSR = jnp.einsum("bsd,dr->bsr", x_BSD, w(self.w_kv_a_DR))
+    kv_BSR, k_rope_BSP = kv_BSR[..., :m.kv_lora_rank], kv_BSR[..., m.kv_lora_rank:]
+    kv_BSHK = jnp.einsum("bsr,rhk->bshk", self.kv_a_norm(kv_BSR), w(self.w_kv_b_RHK))
+    k_nope_BSHN, v_BSHV = kv_BSHK[..., :m.qk_nope_head_dim], kv_BSHK[..., m.qk_nope_head_dim:]
+
+    rope = lambda t: apply_rope(t, positions_BS, cfg.rope_theta, cfg.yarn)
+    q_BSHK = jnp.concatenate([q_BSHK[..., :m.qk_nope_head_dim],
+                              rope(q_BSHK[..., m.qk_nope_head_dim:])], axis=-1)
+    k_rope_BSHP = jnp.broadcast_to(rope(k_rope_BSP[:, :, None, :]),
+                                   (*k_nope_BSHN.shape[:3], m.qk_rope_head_dim))
+    k_BSHK = jnp.concatenate([k_nope_BSHN, k_rope_BSHP], axis=-1)
+    # The attention kernel wants values as wide as keys: pad V up to K, drop the padding after.
+    head_k = m.qk_nope_head_dim + m.qk_rope_head_dim
+    v_BSHK = jnp.pad(v_BSHV, ((0, 0), (0, 0), (0, 0), (0, max(head_k - m.v_head_dim, 0))))
+    q_BSHK, k_BSHK, v_BSHK = (constrain(q_BSHK, Q_AXES), constrain(k_BSHK, KV_AXES),
+                              constrain(v_BSHK, KV_AXES))
+    out_BSHK = jax.nn.dot_product_attention(q_BSHK, k_BSHK, v_BSHK, is_causal=True,
+                                            scale=softmax_scale(head_k, cfg.yarn))
+    out_BSHV = constrain(out_BSHK, Q_AXES)[..., :m.v_head_dim]
+    return jnp.einsum("bshv,hvd->bsd", out_BSHV, w(self.w_o_HVD))
