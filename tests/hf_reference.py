@@ -17,6 +17,7 @@ CLASSES = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
 }
 
 
@@ -28,6 +29,8 @@ def build(family, out_dir, seed, config_json, max_shard_size=None):
     for name, p in model.named_parameters():
       if p.ndim >= 2:
         p.normal_(0.0, 0.2)
+      elif "norm" not in name:  # biases, sinks
+        p.normal_(0.0, 0.5)
       elif "norm" in name:
         p.uniform_(0.5, 1.5)
     for name, b in model.named_buffers():

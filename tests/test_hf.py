@@ -58,6 +58,19 @@ FAMILIES = {  # name: (family, transformers config kwargs, max_shard_size)
         topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, q_lora_rank=None,
         kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=6, v_head_dim=8,
         rope_interleave=False, rms_norm_eps=1e-6, rope_parameters=ROPE(5000.0)), None),
+    "gpt_oss_alternating_yarn": ("gpt_oss", dict(
+        vocab_size=72, hidden_size=24, intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=4, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 8, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False}, rms_norm_eps=1e-5), "20KB"),
+    "gpt_oss_full_top1": ("gpt_oss", dict(
+        vocab_size=50, hidden_size=16, intermediate_size=12, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=1, layer_types=["full_attention", "full_attention"],
+        rope_parameters=ROPE(10000.0), rms_norm_eps=1e-5), None),
     "mixtral_window": ("mixtral", dict(
         vocab_size=80, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=3, head_dim=4, num_local_experts=6,
@@ -126,6 +139,11 @@ TRAINED = {
         moe=dict(num_shared_experts=1, router=dict(score="sigmoid", num_groups=4, topk_groups=2,
                                                    scaling_factor=2.5),
                  balance=dict(bias_update_rate=0.01))),
+    "gpt_oss": dict(
+        model=dict(family="gpt_oss", sliding_window=6, full_attention_every=2,
+                   attention_bias=True, attention_sinks=True, num_heads=4, num_kv_heads=2),
+        moe=dict(first_k_dense=0, expert_bias=True, activation="clamped_swiglu",
+                 router=dict(score="softmax_topk", bias=True))),
 }
 
 

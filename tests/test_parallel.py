@@ -189,3 +189,22 @@ def test_latent_attention_and_shared_experts_match_single_device(name):
   scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
   for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * scale)
+
+
+GPT_OSS_LIKE = dict(
+    model=dict(MODEL, sliding_window=6, full_attention_every=2, attention_bias=True,
+               attention_sinks=True),
+    moe=dict(first_k_dense=0, expert_bias=True, activation="clamped_swiglu",
+             router=dict(score="softmax_topk", bias=True)))
+
+
+@pytest.mark.parametrize("name", ["tp4_ep4_etp2", "cp2_fsdp4_ep8"])
+def test_sinks_windows_and_biased_experts_match_single_device(name):
+  dense, expert = LAYOUTS[name]
+  config = tiny_config(**GPT_OSS_LIKE, parallel=dict(dense=dense, expert=expert))
+  ref_loss, _, ref_grads = loss_and_grads(tiny_config(**GPT_OSS_LIKE), jax.devices()[:1])
+  loss, _, grads = loss_and_grads(config, jax.devices())
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
+  for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * scale)

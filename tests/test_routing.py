@@ -226,8 +226,9 @@ def test_capacity_is_decided_per_device_and_matches_a_per_shard_reference(dispat
   ys, drops = [], []
   for n in range(8):
     r = route(logits[n], layer.cfg.router, 2)
-    y_n, d_n = local_experts(layer.cfg, x_TD[n], r.expert_ids_TK, r.weights_TK,
-                             layer.w_in_ED2F[...], layer.w_out_EFD[...], grouped_gemm("auto"))
+    experts = {"w_in_ED2F": layer.w_in_ED2F[...], "w_out_EFD": layer.w_out_EFD[...]}
+    y_n, d_n = local_experts(layer.cfg, x_TD[n], r.expert_ids_TK, r.weights_TK, experts,
+                             grouped_gemm("auto"))
     ys.append(y_n)
     drops.append(d_n)
   np.testing.assert_allclose(y.reshape(8, 16, 16), jnp.stack(ys), rtol=1e-5, atol=1e-6)

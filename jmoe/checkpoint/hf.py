@@ -115,6 +115,11 @@ def _same(name: str):
   return (lambda get, shape: get(name).reshape(shape)), (lambda a: {name: a})
 
 
+def _flat(name: str):
+  """A vector in Hugging Face (e.g. a per-head bias [H * A]) <-> a jmoe array of any shape."""
+  return (lambda get, shape: get(name).reshape(shape)), (lambda a: {name: a.reshape(-1)})
+
+
 def _gate_up(gate: str, up: str):
   """Separate gate and up Linear weights [F, D] <-> one [D, 2, F] weight."""
   def to_jmoe(get: Get, shape) -> np.ndarray:
@@ -153,6 +158,18 @@ def _rope_interleaved(mapping, start: int, size: int):
           (lambda a: to_hf(permute(a, np.argsort(order) + start))))
 
 
+def _interleaved_pairs(name: str):
+  """A fused [..., 2F] tensor with gate and up interleaved (g0, u0, g1, u1...) <-> [..., 2, F]."""
+  def to_jmoe(get: Get, shape) -> np.ndarray:
+    t = get(name)
+    return np.stack([t[..., 0::2], t[..., 1::2]], axis=-2).reshape(shape)
+
+  def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
+    return {name: np.swapaxes(a, -1, -2).reshape(*a.shape[:-2], -1)}
+
+  return to_jmoe, to_hf
+
+
 def layer_mappings(family: Family, config: Config, interleaved: bool = False
                    ) -> dict[tuple[str, ...], tuple]:
   """Mappings for one transformer layer's parameters, by their path inside the block."""
@@ -163,7 +180,7 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
   egate, eup, edown = family.expert_names
   dense, moe = family.dense_prefix, family.moe_prefix
   expert = lambda name: f"{moe}.experts.{{e}}.{name}.weight"
-  return {
+  mappings = {
       ("attn", "w_q_DHA"): _linear("self_attn.q_proj.weight", 1),
       ("attn", "w_k_DGA"): _linear("self_attn.k_proj.weight", 1),
       ("attn", "w_v_DGA"): _linear("self_attn.v_proj.weight", 1),
@@ -174,7 +191,8 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
       ("mlp_norm", "scale"): _same("post_attention_layernorm.weight"),
       ("mlp", "w_in_D2F"): _gate_up(f"{dense}.{gate}.weight", f"{dense}.{up}.weight"),
       ("mlp", "w_out_FD"): _linear(f"{dense}.{down}.weight", 1),
-      ("mlp", "router_DE"): _linear(f"{moe}.gate.weight", 1),
+      ("mlp", "router_DE"): _linear(f"{moe}.{family.router_name}.weight", 1),
+      ("mlp", "router_bias_E"): _same(f"{moe}.{family.router_name}.bias"),
       ("mlp", "w_in_ED2F"): _per_expert(num_experts, lambda e: _gate_up(
           expert(egate).format(e=e), expert(eup).format(e=e))),
       ("mlp", "w_out_EFD"): _per_expert(num_experts,
@@ -193,7 +211,21 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
       ("attn", "kv_a_norm", "scale"): _same("self_attn.kv_a_layernorm.weight"),
       ("attn", "w_kv_b_RHK"): _linear("self_attn.kv_b_proj.weight", 1),
       ("attn", "w_o_HVD"): _linear("self_attn.o_proj.weight", 2),
+      # Projection biases and sinks (GPT-OSS).
+      ("attn", "b_q_HA"): _flat("self_attn.q_proj.bias"),
+      ("attn", "b_k_GA"): _flat("self_attn.k_proj.bias"),
+      ("attn", "b_v_GA"): _flat("self_attn.v_proj.bias"),
+      ("attn", "b_o_D"): _same("self_attn.o_proj.bias"),
+      ("attn", "sinks_H"): _same("self_attn.sinks"),
   }
+  if family.fused_experts:
+    mappings.update({
+        ("mlp", "w_in_ED2F"): _interleaved_pairs(f"{moe}.experts.gate_up_proj"),
+        ("mlp", "b_in_E2F"): _interleaved_pairs(f"{moe}.experts.gate_up_proj_bias"),
+        ("mlp", "w_out_EFD"): _same(f"{moe}.experts.down_proj"),
+        ("mlp", "b_out_ED"): _same(f"{moe}.experts.down_proj_bias"),
+    })
+  return mappings
 
 
 TOP_MAPPINGS = {

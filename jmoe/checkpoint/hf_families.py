@@ -24,6 +24,8 @@ class Family:
   expert_names: tuple[str, str, str]  # gate, up, down projections of one expert
   dense_prefix: str = "mlp"
   dense_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+  router_name: str = "gate"
+  fused_experts: bool = False  # all experts in one gate_up_proj [E, D, 2F] (gate, up interleaved)
 
 
 def _get(hf: dict, key: str, *alternatives: str, default: Any = ConfigError) -> Any:
@@ -65,8 +67,6 @@ def _rope_to_hf(m: ModelConfig) -> dict:
 
 
 def _common(hf: dict) -> dict:
-  if hf.get("attention_bias"):
-    raise ConfigError("attention_bias=true is not supported for this architecture")
   d_model, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
   return dict(vocab_size=_get(hf, "vocab_size"), d_model=d_model,
               num_layers=_get(hf, "num_hidden_layers"), num_heads=heads,
@@ -74,6 +74,11 @@ def _common(hf: dict) -> dict:
               head_dim=_get(hf, "head_dim", default=d_model // heads),
               **_rope(hf), norm_eps=float(_get(hf, "rms_norm_eps")),
               tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _no_attention_bias(hf: dict) -> None:
+  if hf.get("attention_bias"):
+    raise ConfigError("attention_bias=true is not supported for this architecture")
 
 
 def _common_to_hf(m: ModelConfig) -> dict:
@@ -96,6 +101,7 @@ def _qwen3_first_k_dense(hf: dict) -> int:
 
 
 def _qwen3_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
+  _no_attention_bias(hf)
   window = hf.get("sliding_window") if hf.get("use_sliding_window") else 0
   model = ModelConfig(**_common(hf), d_ff=_get(hf, "intermediate_size"), qk_norm=True,
                       sliding_window=window or 0, family="qwen3_moe")
@@ -119,6 +125,7 @@ def _qwen3_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
 
 
 def _mixtral_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
+  _no_attention_bias(hf)
   d_ff = _get(hf, "intermediate_size")
   model = ModelConfig(**_common(hf), d_ff=d_ff, sliding_window=hf.get("sliding_window") or 0,
                       family="mixtral")
@@ -135,6 +142,7 @@ def _mixtral_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
 
 
 def _deepseek_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
+  _no_attention_bias(hf)
   common = _common(hf)
   nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
   common.update(num_kv_heads=common["num_heads"], head_dim=nope + rope)
@@ -172,6 +180,42 @@ def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
                                           int(m.yarn.original_max_len * m.yarn.factor)))
 
 
+def _gpt_oss_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
+  layers, window = _get(hf, "num_hidden_layers"), hf.get("sliding_window") or 0
+  kinds = hf.get("layer_types") or ["sliding_attention"] * layers
+  alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+  if kinds == alternating:
+    full_every = 2
+  elif set(kinds) == {"sliding_attention"}:
+    full_every = 0
+  elif set(kinds) == {"full_attention"}:
+    full_every, window = 0, 0
+  else:
+    raise ConfigError(f"layer_types {kinds} is not a pattern jmoe has (all sliding, all full, or "
+                      f"alternating from sliding)")
+  d_ff = _get(hf, "intermediate_size")
+  model = ModelConfig(**_common(hf), d_ff=d_ff, sliding_window=window if window else 0,
+                      full_attention_every=full_every if window else 0,
+                      attention_bias=bool(hf.get("attention_bias", True)), attention_sinks=True,
+                      family="gpt_oss")
+  moe = MoEConfig(num_experts=_get(hf, "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
+                  d_ff_expert=d_ff, expert_bias=True, activation="clamped_swiglu",
+                  swiglu_limit=float(hf.get("swiglu_limit") or 7.0), swiglu_alpha=1.702,
+                  router=RouterConfig(score="softmax_topk", bias=True))
+  return model, moe
+
+
+def _gpt_oss_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
+  kinds = ["sliding_attention" if m.sliding_window and not (
+      m.full_attention_every and i % m.full_attention_every == m.full_attention_every - 1)
+           else "full_attention" for i in range(m.num_layers)]
+  return dict(_common_to_hf(m), architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+              intermediate_size=moe.d_ff_expert, num_local_experts=moe.num_experts,
+              num_experts_per_tok=moe.top_k, sliding_window=m.sliding_window or None,
+              layer_types=kinds, attention_bias=m.attention_bias, swiglu_limit=moe.swiglu_limit,
+              router_aux_loss_coef=moe.balance.aux_loss_coef)
+
+
 FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_to_jmoe, _qwen3_to_hf,
                         moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj")),
@@ -180,6 +224,9 @@ FAMILIES = {
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_to_jmoe,
                           _deepseek_to_hf, moe_prefix="mlp",
                           expert_names=("gate_proj", "up_proj", "down_proj")),
+    "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss_to_jmoe, _gpt_oss_to_hf,
+                      moe_prefix="mlp", expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
+                      router_name="router", fused_experts=True),
 }
 
 
@@ -199,16 +246,28 @@ def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:
     raise ConfigError(f"model.family is {m.family!r}; set it to one of {sorted(FAMILIES)} to "
                       f"export to Hugging Face")
   r = moe.router
-  if m.family == "deepseek_v3":
+  plain = {"no attention bias or sinks": not (m.attention_bias or m.attention_sinks),
+           "no expert biases, plain SwiGLU": not moe.expert_bias and moe.activation == "swiglu"}
+  if m.family == "gpt_oss":
+    needs = {"model.attention=gqa": m.attention == "gqa", "attention bias and sinks":
+             m.attention_bias and m.attention_sinks, "moe.router.score=softmax_topk with bias":
+             r.score == "softmax_topk" and r.bias, "expert biases": moe.expert_bias,
+             "clamped_swiglu with alpha 1.702": moe.activation == "clamped_swiglu" and
+             moe.swiglu_alpha == 1.702, "no shared experts, groups or selection bias":
+             not moe.num_shared_experts and r.num_groups == 1 and
+             moe.balance.bias_update_rate == 0, "model.qk_norm=False": not m.qk_norm,
+             "moe.first_k_dense=0": not moe.first_k_dense}
+  elif m.family == "deepseek_v3":
     needs = {"model.attention=mla": m.attention == "mla", "moe.router.score=sigmoid":
              r.score == "sigmoid", "no router bias": not r.bias, "moe.balance.bias_update_rate > 0 "
              "(the selection bias)": moe.balance.bias_update_rate > 0,
-             "model.sliding_window=0": not m.sliding_window, "model.qk_norm=False": not m.qk_norm}
+             "model.sliding_window=0": not m.sliding_window, "model.qk_norm=False": not m.qk_norm,
+             **plain}
   else:
     needs = {"model.attention=gqa": m.attention == "gqa", "moe.router.score=softmax":
              r.score == "softmax", "no router groups, bias or scaling": r.num_groups == 1 and
              not r.bias and r.scaling_factor == 1.0, "no shared experts": not moe.num_shared_experts,
-             "no selection bias": moe.balance.bias_update_rate == 0}
+             "no selection bias": moe.balance.bias_update_rate == 0, **plain}
     if m.family == "mixtral":
       needs.update({"model.qk_norm=False": not m.qk_norm, "moe.first_k_dense=0":
                     not moe.first_k_dense, "moe.router.norm_topk_prob=True": r.norm_topk_prob})

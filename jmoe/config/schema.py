@@ -51,8 +51,13 @@ class ModelConfig:
   yarn: YarnConfig = field(default_factory=YarnConfig)
   qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
   sliding_window: int = 0  # attend to the last this-many tokens only (0: the whole causal past)
+  # With a sliding window: 0 windows every layer; k > 0 gives every k-th layer (index % k == k - 1)
+  # full attention instead (GPT-OSS alternates: k = 2).
+  full_attention_every: int = 0
+  attention_bias: bool = False  # biases on the query, key, value and output projections
+  attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (GPT-OSS)
   # The Hugging Face architecture this model converts to and from (jmoe.convert): "" (none),
-  # qwen3_moe, mixtral or deepseek_v3.
+  # qwen3_moe, mixtral, deepseek_v3 or gpt_oss.
   family: str = ""
 
 
@@ -91,6 +96,10 @@ class MoEConfig:
   # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
   drop_policy: str = "probability"  # which copies stay under a capacity: probability | position
   gemm: str = "auto"  # grouped GEMM backend: auto | ragged_dot | dense
+  activation: str = "swiglu"  # swiglu | clamped_swiglu (GPT-OSS: clamped, scaled gate, up + 1)
+  swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
+  swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+  expert_bias: bool = False  # biases on each expert's projections (GPT-OSS)
   router: RouterConfig = field(default_factory=RouterConfig)
   balance: BalanceConfig = field(default_factory=BalanceConfig)
 

@@ -15,7 +15,8 @@ DROP_POLICIES = ("probability", "position")
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
 DATA_SOURCES = ("stdlib",)
-FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3")
+FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 ATTENTIONS = ("gqa", "mla")
 
 
@@ -49,8 +50,8 @@ def _model(config: Config):
            f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
   if m.head_dim % 2:
     yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
-  if m.sliding_window < 0:
-    yield f"model.sliding_window must be >= 0 (0: no window), got {m.sliding_window}"
+  if m.sliding_window < 0 or m.full_attention_every < 0:
+    yield "model.sliding_window and model.full_attention_every must be >= 0"
   yield from _one_of("model.family", m.family, FAMILIES)
   yield from _one_of("model.attention", m.attention, ATTENTIONS)
   if m.attention == "mla":
@@ -78,6 +79,7 @@ def _moe(config: Config):
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
   yield from _one_of("moe.balance.aux_loss_type", moe.balance.aux_loss_type, AUX_LOSS_TYPES)
   yield from _one_of("moe.drop_policy", moe.drop_policy, DROP_POLICIES)
+  yield from _one_of("moe.activation", moe.activation, ACTIVATIONS)
   for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
     if getattr(moe.balance, name) < 0:
       yield f"moe.balance.{name} must be >= 0, got {getattr(moe.balance, name)}"

@@ -1,7 +1,8 @@
 """Causal grouped-query attention with rotary embeddings.
 
 The kernel is `jax.nn.dot_product_attention`, which runs cuDNN's fused attention on NVIDIA GPUs and
-XLA's elsewhere.
+XLA's elsewhere. Options (config): QK-norm, sliding windows (on every layer, or alternating with
+full attention), projection biases, and attention sinks.
 """
 
 from __future__ import annotations
@@ -26,30 +27,60 @@ class Attention(nnx.Module):
     self.cfg = cfg
     self.dtype = dtype
     d, h, g, a = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    std = cfg.init_std
-    self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", "head_dim"), std=std, dtype=param_dtype)
-    self.w_k_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), std=std,
-                         dtype=param_dtype)
-    self.w_v_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), std=std,
-                         dtype=param_dtype)
-    self.w_o_HAD = param(rngs, (h, a, d), ("heads", "head_dim", "embed"), std=std, dtype=param_dtype)
+    kw = dict(std=cfg.init_std, dtype=param_dtype)
+    self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", "head_dim"), **kw)
+    self.w_k_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), **kw)
+    self.w_v_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), **kw)
+    self.w_o_HAD = param(rngs, (h, a, d), ("heads", "head_dim", "embed"), **kw)
+    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, decay=False)
+                                if cfg.attention_bias else None)
+    self.b_q_HA = bias((h, a), ("heads", "head_dim"))
+    self.b_k_GA = bias((g, a), ("kv_heads", "head_dim"))
+    self.b_v_GA = bias((g, a), ("kv_heads", "head_dim"))
+    self.b_o_D = bias((d,), ("norm",))
+    self.sinks_H = (param(rngs, (h,), ("heads",), std=0, dtype=param_dtype, decay=False)
+                    if cfg.attention_sinks else None)
     self.q_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
-    # A window of W keys: the token itself and the W - 1 before it.
-    self.window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
-    dt = self.dtype
-    q_BSHA = jnp.einsum("bsd,dha->bsha", x_BSD, self.w_q_DHA[...].astype(dt))
-    k_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_k_DGA[...].astype(dt))
-    v_BSGA = jnp.einsum("bsd,dga->bsga", x_BSD, self.w_v_DGA[...].astype(dt))
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0) -> jax.Array:
+    cfg, dt = self.cfg, self.dtype
+    project = lambda w, b, spec: jnp.einsum(spec, x_BSD, w[...].astype(dt)) + (
+        0 if b is None else b[...].astype(dt))
+    q_BSHA = project(self.w_q_DHA, self.b_q_HA, "bsd,dha->bsha")
+    k_BSGA = project(self.w_k_DGA, self.b_k_GA, "bsd,dga->bsga")
+    v_BSGA = project(self.w_v_DGA, self.b_v_GA, "bsd,dga->bsga")
     if self.q_norm is not None:
       q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
-    q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, self.cfg.rope_theta, self.cfg.yarn), Q_AXES)
-    k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, self.cfg.rope_theta, self.cfg.yarn), KV_AXES)
+    q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
+    k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, cfg.rope_theta, cfg.yarn), KV_AXES)
     v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = jax.nn.dot_product_attention(
-        q_BSHA, k_BSGA, v_BSGA, is_causal=True, local_window_size=self.window,
-        scale=softmax_scale(self.cfg.head_dim, self.cfg.yarn))
-    out_BSHA = constrain(out_BSHA, Q_AXES)
-    return jnp.einsum("bsha,had->bsd", out_BSHA, self.w_o_HAD[...].astype(dt))
+    out_BSHA = self._attend(q_BSHA, k_BSGA, v_BSGA, layer)
+    out_BSD = jnp.einsum("bsha,had->bsd", constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt))
+    return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
+
+  def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer) -> jax.Array:
+    cfg = self.cfg
+    kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn))
+    windowed_here = bool(cfg.sliding_window)
+    if cfg.sliding_window and cfg.full_attention_every:  # this layer's window: by its index
+      windowed_here = (layer % cfg.full_attention_every) != cfg.full_attention_every - 1
+    if self.sinks_H is None and not cfg.full_attention_every:  # the kernel builds the mask
+      window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self
+      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True,
+                                          local_window_size=window, **kwargs)
+    seq = q_BSHA.shape[1]
+    distance_SS = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
+    in_window_SS = distance_SS < max(cfg.sliding_window, 1)
+    allowed_SS = (distance_SS >= 0) & (jnp.logical_not(windowed_here) | in_window_SS)
+    if self.sinks_H is None:
+      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_SS[None, None],
+                                          **kwargs)
+    # A sink is one more key that every query sees, whose logit is the head's learned sink and
+    # whose value is zero: it only adds exp(sink) to each softmax denominator.
+    pad = lambda t: jnp.pad(t, ((0, 0), (1, 0), (0, 0), (0, 0)))
+    mask_11SS = jnp.pad(allowed_SS, ((0, 0), (1, 0)), constant_values=True)[None, None]
+    bias_1H1S = jnp.zeros((1, q_BSHA.shape[2], 1, seq + 1), q_BSHA.dtype).at[:, :, 0, 0].set(
+        self.sinks_H[...].astype(q_BSHA.dtype))
+    return jax.nn.dot_product_attention(q_BSHA, pad(k_BSGA), pad(v_BSGA), bias=bias_1H1S,
+                                        mask=mask_11SS, **kwargs)

@@ -41,7 +41,7 @@ class MLAttention(nnx.Module):
                             (None, "heads", None), **kw)
     self.w_o_HVD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array) -> jax.Array:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0) -> jax.Array:
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     w = lambda p: p[...].astype(dt)
     if m.q_lora_rank:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 REMAT_POLICIES = {
@@ -27,18 +28,21 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
   return create(rngs)
 
 
-def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None):
-  """Runs x through every layer: `x, y = layer(x, *args, rng=key)`, each layer with its own key
-  from `rng` (or None); returns the last x and the stacked ys."""
+def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None,
+              first_layer: int = 0):
+  """Runs x through every layer: `x, y = layer(x, *args, rng=key, layer=index)`, each layer with
+  its own key from `rng` (or None) and its index in the whole model (the stack starting at
+  `first_layer`); returns the last x and the stacked ys."""
   graphdef, state = nnx.split(stack)
   num_layers = jax.tree.leaves(state)[0].shape[0]
   keys = None if rng is None else jax.random.split(rng, num_layers)
+  indices = first_layer + jnp.arange(num_layers)
 
   def body(carry, layer):
-    layer_state, key = layer
-    return nnx.merge(graphdef, layer_state)(carry, *args, rng=key)
+    layer_state, key, index = layer
+    return nnx.merge(graphdef, layer_state)(carry, *args, rng=key, layer=index)
 
   policy = REMAT_POLICIES[remat]
   if policy is not None:
     body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-  return jax.lax.scan(body, x, (state, keys))
+  return jax.lax.scan(body, x, (state, keys, indices))

@@ -25,6 +25,7 @@ class Transformer(nnx.Module):
     self.dense_blocks = (
         make_stack(lambda r: Block(cfg, None, rngs=r, **kw), moe.first_k_dense, rngs)
         if moe.first_k_dense else None)
+    self.first_moe_layer = moe.first_k_dense
     self.moe_blocks = make_stack(lambda r: Block(cfg, moe, rngs=r, **kw),
                                  cfg.num_layers - moe.first_k_dense, rngs)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
@@ -44,7 +45,8 @@ class Transformer(nnx.Module):
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
-    x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng)
+    x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng,
+                             first_layer=self.first_moe_layer)
     x_BSD = self.final_norm(x_BSD)
     if self.head_DV is None:
       logits_BSV = self.embed.attend(x_BSD)

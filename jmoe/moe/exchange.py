@@ -27,7 +27,7 @@ from jmoe.config import MoEConfig
 from jmoe.moe.capacity import apply_capacity, expert_capacity, rank_within_expert
 from jmoe.moe.combine import combine
 from jmoe.moe.dispatch import dispatch
-from jmoe.moe.experts import GroupedGemm, expert_ffn
+from jmoe.moe.experts import GroupedGemm, expert_ffn, gated_activation
 from jmoe.parallel import ExpertAxes, Layout
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]  # (rows x_XD, group_sizes_E) -> y_XD
@@ -103,18 +103,23 @@ DISPATCHERS = {"allgather": allgather_dispatch, "alltoall": alltoall_dispatch}
 
 
 def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK,
-                      w_in_ED2F, w_out_EFD, gemm: GroupedGemm):
+                      experts: dict[str, jax.Array], gemm: GroupedGemm):
   """One device's part: capacity (decided on its own tokens), exchange, experts, combine."""
-  num_experts = axes.num_expert_shards * w_in_ED2F.shape[0]
+  num_local = experts["w_in_ED2F"].shape[0]
+  num_experts = axes.num_expert_shards * num_local
   dropped, max_rows = jnp.zeros((), jnp.float32), None
   if cfg.capacity_factor:
     expert_ids_TK, weights_TK, dropped = apply_capacity(
         expert_ids_TK, weights_TK, num_experts, cfg.capacity_factor, cfg.drop_policy)
     max_rows = axes.num_tensor_shards * expert_capacity(*expert_ids_TK.shape, num_experts,
                                                         cfg.capacity_factor)
-  expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, w_in_ED2F, w_out_EFD, gemm)
-  y_TD = DISPATCHERS[cfg.dispatcher](x_TD, expert_ids_TK, weights_TK, w_in_ED2F.shape[0], axes,
-                                     expert_fn, max_rows)
+  if "b_out_ED" in experts and axes.tensor:  # the ETP partial sums add the down bias once
+    first = (jax.lax.axis_index(axes.tensor) == 0).astype(experts["b_out_ED"].dtype)
+    experts = dict(experts, b_out_ED=experts["b_out_ED"] * first)
+  activation = gated_activation(cfg)
+  expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, experts, gemm, activation)
+  y_TD = DISPATCHERS[cfg.dispatcher](x_TD, expert_ids_TK, weights_TK, num_local, axes, expert_fn,
+                                     max_rows)
   return y_TD, dropped
 
 
@@ -122,13 +127,14 @@ def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, wei
 _NO_AXES = ExpertAxes(tokens=(), expert=(), tensor=(), num_expert_shards=1, num_tensor_shards=1)
 
 
-def local_experts(cfg: MoEConfig, *args) -> tuple[jax.Array, jax.Array]:
+def local_experts(cfg: MoEConfig, x_TD, expert_ids_TK, weights_TK, experts: dict[str, jax.Array],
+                  gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
   """Dispatch, expert FFN and combine with all tokens and experts in one place."""
-  return _experts_on_shard(cfg, _NO_AXES, *args)
+  return _experts_on_shard(cfg, _NO_AXES, x_TD, expert_ids_TK, weights_TK, experts, gemm)
 
 
 def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_TK: jax.Array,
-                    weights_TK: jax.Array, w_in_ED2F: jax.Array, w_out_EFD: jax.Array,
+                    weights_TK: jax.Array, experts: dict[str, jax.Array],
                     gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
   """Dispatch, expert FFN and combine for tokens split over every device of `layout`.
 
@@ -136,13 +142,15 @@ def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_
   """
   axes = layout.expert_axes
 
-  def body(*args):
-    y_TD, dropped = _experts_on_shard(cfg, axes, *args, gemm)
+  def body(x_TD, expert_ids_TK, weights_TK, experts):
+    y_TD, dropped = _experts_on_shard(cfg, axes, x_TD, expert_ids_TK, weights_TK, experts, gemm)
     return y_TD, jax.lax.pmean(dropped, axes.tokens)
 
   tokens = P(axes.tokens)
   expert, tensor = axes.expert or None, axes.tensor or None
+  specs = {"w_in_ED2F": P(expert, None, None, tensor), "w_out_EFD": P(expert, tensor, None),
+           "b_in_E2F": P(expert, None, tensor), "b_out_ED": P(expert, None)}
   return jax.shard_map(
       body, mesh=layout.mesh,
-      in_specs=(tokens, tokens, tokens, P(expert, None, None, tensor), P(expert, tensor, None)),
-      out_specs=(tokens, P()))(x_TD, expert_ids_TK, weights_TK, w_in_ED2F, w_out_EFD)
+      in_specs=(tokens, tokens, tokens, {k: specs[k] for k in experts}),
+      out_specs=(tokens, P()))(x_TD, expert_ids_TK, weights_TK, experts)

@@ -48,6 +48,10 @@ class MoE(nnx.Module):
                            std=std, dtype=param_dtype)
     self.w_out_EFD = param(rngs, (e, f, d_model), ("expert", "expert_mlp", "expert_embed"), std=std,
                            dtype=param_dtype)
+    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, decay=False)
+                                if cfg.expert_bias else None)
+    self.b_in_E2F = bias((e, 2, f), ("expert", None, "expert_mlp"))
+    self.b_out_ED = bias((e, d_model), ("expert", None))
     self.shared = (
         SwiGLU(d_model, cfg.num_shared_experts * f, std, param_dtype=param_dtype, dtype=dtype,
                rngs=rngs)
@@ -62,8 +66,10 @@ class MoE(nnx.Module):
       routing = route(self._router_logits(x_TD, rng), self.cfg.router, self.cfg.top_k,
                       expert_bias_E=None if self.expert_bias_E is None else self.expert_bias_E[...],
                       balance_groups=self._balance_groups(batch, layout))
-    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK,
-            self.w_in_ED2F[...].astype(self.dtype), self.w_out_EFD[...].astype(self.dtype),
+    experts = {name: getattr(self, name)[...].astype(self.dtype)
+               for name in ("w_in_ED2F", "w_out_EFD", "b_in_E2F", "b_out_ED")
+               if getattr(self, name) is not None}
+    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK, experts,
             grouped_gemm(self.cfg.gemm))
     with jax.named_scope("dispatch_experts_combine"):
       y_TD, dropped = local_experts(*args) if layout is None else sharded_experts(layout, *args)
