@@ -17,6 +17,7 @@ import pytest
 from safetensors import safe_open
 
 from jmoe.checkpoint.hf import SafetensorsReader, export_hf, import_hf
+from jmoe.checkpoint.hf_families import check_exportable
 from jmoe.checkpoint.params import load_model
 from jmoe.config import ConfigError, ParallelConfig
 from jmoe.parallel import make_layout
@@ -132,7 +133,7 @@ def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
 TRAINED = {
     "qwen3_moe": dict(model=dict(family="qwen3_moe", qk_norm=True, num_heads=4, num_kv_heads=2)),
     "deepseek_v3": dict(
-        model=dict(family="deepseek_v3", attention="mla", num_heads=4, num_kv_heads=4,
+        model=dict(family="deepseek_v3", attention="mla", num_heads=4, num_kv_heads=4, mtp_depth=1,
                    mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=8),
                    yarn=dict(factor=4.0, original_max_len=8, mscale_all_dim=1.0)),
@@ -174,10 +175,13 @@ def test_conversion_errors_name_the_problem(tmp_path):
   with pytest.raises(ConfigError, match=r"tensor 'model.layers.0.block_sparse_moe.experts.3"
                                         r".w2.weight' is missing"):
     import_hf(tmp_path / "m", tmp_path / "out")
+  plain = tiny_config()
   with pytest.raises(ConfigError, match="set it to one of"):
-    run = tmp_path / "plain"
-    train(tiny_config(train=dict(steps=2, warmup_steps=1)), run, progress=False)
-    export_hf(run, tmp_path / "x")
+    check_exportable(plain.model, plain.moe)
+  mixtral_with_qk_norm = tiny_config(model=dict(family="mixtral", qk_norm=True),
+                                     moe=dict(first_k_dense=0))
+  with pytest.raises(ConfigError, match="model.family=mixtral needs model.qk_norm=False"):
+    check_exportable(mixtral_with_qk_norm.model, mixtral_with_qk_norm.moe)
 
 
 def test_convert_and_score_commands(tmp_path):

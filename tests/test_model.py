@@ -96,3 +96,39 @@ def test_parameter_count_matches_formula():
               + (m.num_layers - moe.first_k_dense) * (attn + moe_mlp + norms))
   assert count == expected
   assert isinstance(model, Transformer)
+
+
+def test_multi_token_prediction_heads_are_causal_and_leave_the_main_head_alone():
+  config = tiny_config(model=dict(mtp_depth=2))
+  model = model_factory(config)()
+  from jmoe.train.loss import mtp_inputs
+  window = jax.random.randint(jax.random.key(5), (2, 25), 0, 256)
+  inputs, ahead = window[:, :-1], mtp_inputs(window, 2)
+  logits, mtp, stats = model.with_mtp(inputs, ahead)
+  np.testing.assert_allclose(logits, model(inputs)[0], rtol=1e-6)
+  assert mtp.shape == (2, 2, 24, config.model.vocab_size)
+  assert stats.load_E.shape[0] == config.model.num_layers - config.moe.first_k_dense + 2
+  # Module k at position i sees tokens up to i + k + 1 of the window, never later ones.
+  cut = 10
+  changed = window.at[:, cut + 3:].set((window[:, cut + 3:] + 5) % 256)
+  _, mtp2, _ = model.with_mtp(changed[:, :-1], mtp_inputs(changed, 2))
+  np.testing.assert_array_equal(mtp[:, 1, :cut + 1], mtp2[:, 1, :cut + 1])  # k=1: up to i + 2
+  np.testing.assert_array_equal(mtp[:, 0, :cut + 2], mtp2[:, 0, :cut + 2])  # k=0: up to i + 1
+  assert not np.allclose(mtp[:, 0, cut + 2:], mtp2[:, 0, cut + 2:])
+
+
+def test_mtp_loss_against_numpy():
+  from jmoe.train.loss import mtp_loss
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(2, 3, 6, 11)).astype(np.float32)
+  window = rng.integers(0, 11, size=(2, 7))
+  expected = 0.0
+  for k in range(3):
+    nll = []
+    for b in range(2):
+      for i in range(6 - k - 1):
+        row = logits[b, k, i].astype(np.float64)
+        nll.append(np.log(np.exp(row).sum()) - row[window[b, i + k + 2]])
+    expected += np.sum(nll) / (2 * (6 - k - 1))
+  got = mtp_loss(jnp.asarray(logits), jnp.asarray(window), num_sequences=2, weight=0.3)
+  np.testing.assert_allclose(got, 0.3 * expected / 3, rtol=1e-5)

@@ -23,6 +23,8 @@ ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_20b.py"}
 
 def count(config, with_embedding=True):
   state = nnx.state(nnx.eval_shape(model_factory(config)), nnx.Param)
+  # Published counts are of the main model; multi-token prediction modules come on top.
+  state = nnx.State({k: v for k, v in state.items() if k != "mtp"})
   total = sum(x.size for x in jax.tree.leaves(state))
   experts = sum(v.size for path, v in nnx.to_flat_state(state)
                 if path[-1] in ("w_in_ED2F", "w_out_EFD", "b_in_E2F", "b_out_ED"))

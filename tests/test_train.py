@@ -131,3 +131,14 @@ def test_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path):
   with pytest.raises(ConfigError, match=r"model.vocab_size \(200\) is smaller than the byte "
                                         r"tokenizer's 258 ids"):
     train(tiny_config(model=dict(vocab_size=200)), tmp_path, progress=False)
+
+
+def test_multi_token_prediction_adds_its_weighted_loss(tmp_path):
+  config = tiny_config(model=dict(mtp_depth=1), train=dict(steps=3, mtp_loss_weight=0.5),
+                       moe=dict(balance=dict(bias_update_rate=0.01)))
+  records = train(config, tmp_path, progress=False)
+  for r in records:
+    assert r["mtp_loss"] > 0.5 * 3.0  # about half of ln(264) at the start
+    np.testing.assert_allclose(r["loss"], r["lm_loss"] + r["aux_loss"] + r["z_loss"] +
+                               r["mtp_loss"], rtol=1e-5)
+    assert len(r["expert_load"]) == 3  # two MoE layers and the MTP block

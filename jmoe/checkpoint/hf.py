@@ -242,6 +242,8 @@ def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
   first_moe = config.moe.first_k_dense
   for path, variable in nnx.to_flat_state(params):
     path = tuple(str(p) for p in path)
+    if path[0] == "mtp":  # transformers' models have no multi-token prediction modules
+      continue
     if path[0] in ("dense_blocks", "moe_blocks"):
       if path[1:] not in layers:
         raise ConfigError(f"no Hugging Face mapping for jmoe parameter {'.'.join(path)}")
@@ -299,6 +301,9 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
   layout = make_layout(ParallelConfig(), jax.devices()[:1])
   config, model = load_model(checkpoint, layout)
   family = check_exportable(config.model, config.moe)
+  if config.model.mtp_depth:
+    log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
+                "%s has none", config.model.mtp_depth, family.architecture)
   params = nnx.state(model)
   out = pathlib.Path(out)
   out.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ class ModelConfig:
   full_attention_every: int = 0
   attention_bias: bool = False  # biases on the query, key, value and output projections
   attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (GPT-OSS)
+  mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3: 1); module k predicts t+k+1
   # The Hugging Face architecture this model converts to and from (jmoe.convert): "" (none),
   # qwen3_moe, mixtral, deepseek_v3 or gpt_oss.
   family: str = ""
@@ -141,6 +142,7 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+  mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
   remat: str = "none"  # none | full
 

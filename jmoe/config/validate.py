@@ -50,8 +50,8 @@ def _model(config: Config):
            f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
   if m.head_dim % 2:
     yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
-  if m.sliding_window < 0 or m.full_attention_every < 0:
-    yield "model.sliding_window and model.full_attention_every must be >= 0"
+  if m.sliding_window < 0 or m.full_attention_every < 0 or m.mtp_depth < 0:
+    yield "model.sliding_window, model.full_attention_every and model.mtp_depth must be >= 0"
   yield from _one_of("model.family", m.family, FAMILIES)
   yield from _one_of("model.attention", m.attention, ATTENTIONS)
   if m.attention == "mla":

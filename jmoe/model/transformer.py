@@ -9,7 +9,9 @@ from flax import nnx
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm, param
+from jmoe.model.mtp import MTPModule
 from jmoe.model.stack import make_stack, run_stack
+from jmoe.moe.layer import bias_step
 from jmoe.moe.route import RouterStats
 from jmoe.parallel import constrain
 
@@ -33,6 +35,7 @@ class Transformer(nnx.Module):
         None if cfg.tie_embeddings else
         param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), std=cfg.init_std,
               dtype=param_dtype))
+    self.mtp = nnx.List([MTPModule(cfg, moe, rngs=rngs, **kw) for _ in range(cfg.mtp_depth)])
 
   def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None, *,
                rng: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
@@ -40,17 +43,56 @@ class Transformer(nnx.Module):
 
     `rng` is for training-time noise (router jitter); without it the model is deterministic.
     """
+    positions_BS = self._positions(tokens_BS, positions_BS)
+    h_BSD, stats = self._trunk(tokens_BS, positions_BS, rng)
+    return self._logits(self.final_norm(h_BSD)), stats
+
+  def with_mtp(self, tokens_BS: jax.Array, next_tokens_BKS: jax.Array,
+               positions_BS: jax.Array | None = None, *, rng: jax.Array | None = None):
+    """Training forward with multi-token prediction: `next_tokens_BKS[:, k]` are the tokens k + 1
+    places ahead of `tokens_BS`. Returns (logits, MTP logits [B, depth, S, V], router stats of
+    the MoE layers and then the MTP blocks)."""
+    positions_BS = self._positions(tokens_BS, positions_BS)
+    h_BSD, stats = self._trunk(tokens_BS, positions_BS, rng)
+    logits_BSV = self._logits(self.final_norm(h_BSD))
+    mtp_logits, mtp_stats = [], []
+    for k, module in enumerate(self.mtp):
+      key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
+      h_BSD, out_BSD, block_stats = module(h_BSD, self.embed(next_tokens_BKS[:, k]), positions_BS,
+                                           key, self.cfg.num_layers + k)
+      mtp_logits.append(self._logits(out_BSD))
+      mtp_stats.append(block_stats)
+    if mtp_stats:
+      stats = jax.tree.map(lambda a, *b: jnp.concatenate([a, jnp.stack(b)]), stats, *mtp_stats)
+    return logits_BSV, jnp.stack(mtp_logits, axis=1), stats
+
+  def update_expert_bias(self, load_LE: jax.Array, rate: float) -> None:
+    """Aux-loss-free balancing after a step: moves each MoE layer's selection bias by its load
+    (rows of `load_LE` in the order of the router stats: MoE layers, then MTP blocks)."""
+    num_moe = self.cfg.num_layers - self.first_moe_layer
+    bias = self.moe_blocks.mlp.expert_bias_E
+    bias[...] = bias_step(bias[...], load_LE[:num_moe], rate)
+    for k, module in enumerate(self.mtp):
+      bias = module.block.mlp.expert_bias_E
+      bias[...] = bias_step(bias[...], load_LE[num_moe + k], rate)
+
+  def _positions(self, tokens_BS, positions_BS):
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
+    return positions_BS
+
+  def _trunk(self, tokens_BS, positions_BS, rng):
+    """The hidden state after the last block (before the final norm) and the MoE router stats."""
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
-    x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng,
-                             first_layer=self.first_moe_layer)
-    x_BSD = self.final_norm(x_BSD)
+    return run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng,
+                     first_layer=self.first_moe_layer)
+
+  def _logits(self, x_BSD):
     if self.head_DV is None:
       logits_BSV = self.embed.attend(x_BSD)
     else:
       logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_DV[...].astype(x_BSD.dtype))
     logits_BSV = constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
-    return logits_BSV.astype(jnp.float32), stats
+    return logits_BSV.astype(jnp.float32)

@@ -12,5 +12,5 @@ from jmoe.moe.capacity import apply_capacity
 from jmoe.moe.combine import combine
 from jmoe.moe.dispatch import Dispatched, dispatch
 from jmoe.moe.experts import GEMM_BACKENDS, expert_ffn, grouped_gemm
-from jmoe.moe.layer import ExpertBias, MoE, update_expert_bias
+from jmoe.moe.layer import ExpertBias, MoE, bias_step
 from jmoe.moe.route import RouterStats, Routing, balance_loss, route

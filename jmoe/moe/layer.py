@@ -20,16 +20,9 @@ class ExpertBias(nnx.Variable):
   gradients; `update_expert_bias` moves it after each step. Lives in the train state's `rest`."""
 
 
-def update_expert_bias(rest: nnx.State, load_LE: jax.Array, rate: float) -> nnx.State:
-  """bias += rate * sign(mean load - load), per MoE layer: under-used experts become likelier."""
-
-  def one(v):
-    if isinstance(v, ExpertBias):
-      mean_L1 = jnp.mean(load_LE, axis=-1, keepdims=True)
-      return v.replace(v[...] + rate * jnp.sign(mean_L1 - load_LE))
-    return v
-
-  return jax.tree.map(one, rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+def bias_step(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
+  """bias += rate * sign(mean load - load), per layer: under-used experts become likelier."""
+  return bias_E + rate * jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)
 
 
 class MoE(nnx.Module):

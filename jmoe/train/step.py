@@ -10,8 +10,7 @@ import optax
 from flax import nnx
 
 from jmoe.config import Config
-from jmoe.moe.layer import update_expert_bias
-from jmoe.train.loss import balance_losses, cross_entropy_sum
+from jmoe.train.loss import balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss
 from jmoe.train.state import TrainState
 
 
@@ -24,16 +23,27 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
   training-time noise.
   """
 
+  depth = config.model.mtp_depth
+
   def loss_fn(params, rest, tokens_BS1, num_targets, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    logits_BSV, stats = model(tokens_BS1[:, :-1], rng=rng)
+    inputs_BS = tokens_BS1[:, :-1]
+    metrics = {}
+    if depth:
+      logits_BSV, mtp_BKSV, stats = model.with_mtp(inputs_BS, mtp_inputs(tokens_BS1, depth),
+                                                   rng=rng)
+      num_sequences = num_targets // inputs_BS.shape[1]
+      metrics["mtp_loss"] = mtp_loss(mtp_BKSV, tokens_BS1, num_sequences,
+                                     config.train.mtp_loss_weight)
+    else:
+      logits_BSV, stats = model(inputs_BS, rng=rng)
     lm_loss = cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:]) / num_targets
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
-    metrics = {"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
-               "expert_load": stats.load_E / num_micro,
-               "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro}
-    return lm_loss + aux_loss + z_loss, metrics
+    metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
+                    "expert_load": stats.load_E / num_micro,
+                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro})
+    return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn
 
@@ -76,7 +86,9 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     params = optax.apply_updates(state.params, updates)
     rest = state.rest
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
-      rest = update_expert_bias(rest, metrics["expert_load"], bias_rate)
+      model = nnx.merge(graphdef, params, rest)
+      model.update_expert_bias(metrics["expert_load"], bias_rate)
+      rest = nnx.state(model, nnx.Not(nnx.Param))
     new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
     return new_state, metrics
 
