@@ -1,8 +1,9 @@
 """Causal grouped-query attention with rotary embeddings.
 
-The kernel is `jax.nn.dot_product_attention`, which runs cuDNN's fused attention on NVIDIA GPUs and
-XLA's elsewhere. Options (config): QK-norm, sliding windows (on every layer, or alternating with
-full attention), projection biases, and attention sinks.
+The kernel is `jax.nn.dot_product_attention` with its default implementation (XLA's; cuDNN's fused
+kernel must be asked for by name, which the GPU-speed work will do where it applies). Options
+(config): QK-norm, sliding windows (on every layer, or alternating with full attention), projection
+biases, and attention sinks.
 """
 
 from __future__ import annotations
