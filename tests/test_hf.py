@@ -11,7 +11,6 @@ import pathlib
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 from safetensors import safe_open

@@ -5,7 +5,6 @@ ignores them."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
