@@ -59,23 +59,19 @@ def apply_overrides(config_dict: ml_collections.ConfigDict, overrides: Sequence[
     *parents, leaf = dotted.split(".")
     node, schema = config_dict, Config
     for i, name in enumerate(parents):
-      hints = _dataclass_hints(schema)
+      hints = typing.get_type_hints(schema)
       if name not in hints or not dataclasses.is_dataclass(hints[name]):
         raise ConfigError(f"override {override!r}: no config group {'.'.join(parents[:i + 1])!r}")
       schema = hints[name]
       if name not in node:
         node[name] = ml_collections.ConfigDict()
       node = node[name]
-    hints = _dataclass_hints(schema)
+    hints = typing.get_type_hints(schema)
     if leaf not in hints or dataclasses.is_dataclass(hints[leaf]):
       raise ConfigError(
           f"override {override!r}: unknown key {dotted!r}; keys of this group: "
           f"{sorted(k for k, h in hints.items() if not dataclasses.is_dataclass(h))}")
     node[leaf] = _parse_value(raw, hints[leaf], dotted)
-
-
-def _dataclass_hints(cls: type) -> dict[str, Any]:
-  return typing.get_type_hints(cls)
 
 
 def _parse_value(raw: str, hint: Any, dotted: str) -> Any:

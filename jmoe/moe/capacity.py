@@ -15,9 +15,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-DROP_POLICIES = ("position", "probability")
-
-
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
   return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 

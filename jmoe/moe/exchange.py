@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmoe.config import MoEConfig
 from jmoe.moe.capacity import apply_capacity, expert_capacity, rank_within_expert
-from jmoe.moe.combine import combine
+from jmoe.moe.combine import combine, weighted_sum
 from jmoe.moe.dispatch import dispatch
 from jmoe.moe.experts import GroupedGemm, expert_ffn, gated_activation
 from jmoe.parallel import ExpertAxes, Layout
@@ -92,8 +92,7 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
   if axes.expert:
     y_RD = jax.lax.all_to_all(y_RD, axes.expert, 0, 0, tiled=True)
   y_TKD = y_RD.at[slot_X].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, -1)
-  y_TD = jnp.einsum("tkd,tk->td", y_TKD, weights_TK.astype(y_TKD.dtype),
-                    preferred_element_type=jnp.float32).astype(y_TKD.dtype)
+  y_TD = weighted_sum(y_TKD, weights_TK)
   if axes.tensor:
     y_TD = jax.lax.psum_scatter(y_TD, axes.tensor, scatter_dimension=0, tiled=True)
   return y_TD
