@@ -20,10 +20,33 @@ def setup_logging() -> None:
 
 
 def run(main: Callable[[], int]) -> int:
-  """Runs a command; a ConfigError (bad config, data, checkpoint) becomes a message and exit 2."""
+  """Runs a command; a ConfigError (bad config, data, checkpoint) becomes a message and exit 2,
+  and a run stopped by a signal (after its checkpoint) exits with 128 + the signal's number, as
+  a process killed by it would, so launchers see that it did not finish."""
+  from jmoe.train.preemption import Interrupted
   setup_logging()
   try:
     return main()
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Interrupted as e:
+    print(f"jmoe: {e}", file=sys.stderr)
+    return 128 + e.signum
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+  """Separates `--config.a.b=value` / `--config.a.b value` overrides from the other arguments."""
+  rest, overrides, i = [], [], 0
+  while i < len(argv):
+    arg = argv[i]
+    if arg.startswith("--config."):
+      if "=" not in arg:
+        if i + 1 == len(argv):
+          raise ConfigError(f"override {arg} has no value")
+        arg, i = f"{arg}={argv[i + 1]}", i + 1
+      overrides.append(arg)
+    else:
+      rest.append(arg)
+    i += 1
+  return rest, overrides

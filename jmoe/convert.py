@@ -2,9 +2,12 @@
 
   python -m jmoe.convert import-hf --hf-dir DIR --out CKPT [--params-dtype float32]
   python -m jmoe.convert export-hf --checkpoint CKPT --out DIR [--dtype bfloat16] [--shard-gb 4]
+  python -m jmoe.convert upcycle --checkpoint DENSE --config MOE_CONFIG --out CKPT
+      [--router-std S] [--config.group.key=value ...]
 
-CKPT is a jmoe model checkpoint (what import-hf writes); export-hf also takes a training workdir and
-exports its latest checkpoint. Only local directories are read: nothing is downloaded.
+CKPT is a jmoe model checkpoint (what import-hf and upcycle write); export-hf and upcycle also take
+a training workdir and use its latest checkpoint. Only local directories are read: nothing is
+downloaded. Train from a written CKPT with `--config.checkpoint.load_params=CKPT`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jmoe.cli import run
+from jmoe.cli import run, split_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,11 +34,28 @@ def main(argv: list[str] | None = None) -> int:
   exp.add_argument("--rope-interleave", choices=["true", "false"],
                    help="DeepSeek-V3: rotary weights interleaved (its checkpoints' layout, the "
                         "default) or half-split")
-  args = parser.parse_args(argv)
+  up = commands.add_parser("upcycle", help="dense jmoe checkpoint -> MoE model checkpoint")
+  up.add_argument("--checkpoint", required=True, help="a dense model (moe.first_k_dense = "
+                  "model.num_layers): a model checkpoint or a training workdir")
+  up.add_argument("--config", required=True, help="the MoE model's configs/*.py file")
+  up.add_argument("--out", required=True)
+  up.add_argument("--router-std", type=float,
+                  help="spread of the initial router weights; default model.init_std, 0 gives "
+                       "uniform routing")
 
   def command() -> int:
+    rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(rest)
+    if overrides and args.command != "upcycle":
+      parser.error(f"{args.command} takes no --config.* overrides")
     from jmoe.checkpoint.hf import export_hf, import_hf
-    if args.command == "import-hf":
+    if args.command == "upcycle":
+      from jmoe.checkpoint.upcycle import upcycle
+      from jmoe.config import load_config
+      config = load_config(args.config, overrides)
+      upcycle(args.checkpoint, config, args.out, args.router_std)
+      print(f"wrote {args.out} ({config.moe.num_experts} experts, top-{config.moe.top_k})")
+    elif args.command == "import-hf":
       config = import_hf(args.hf_dir, args.out, args.params_dtype)
       print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
             f"{config.moe.num_experts} experts)")

@@ -46,7 +46,7 @@ def test_bad_overrides(override, message):
     (dict(model=dict(num_heads=6, num_kv_heads=4)),
      r"model.num_heads \(6\) must be a multiple of model.num_kv_heads \(4\)"),
     (dict(model=dict(head_dim=7)), "head_dim must be even"),
-    (dict(moe=dict(first_k_dense=3)), r"moe.first_k_dense \(3\) must be in \[0, model.num_layers\)"),
+    (dict(moe=dict(first_k_dense=4)), r"moe.first_k_dense \(4\) must be in \[0, model.num_layers\]"),
     (dict(train=dict(batch_size=8, micro_batch_size=3)),
      r"train.batch_size \(8\) must be a multiple of train.micro_batch_size \(3\)"),
     (dict(moe=dict(gemm="cublas")), "moe.gemm must be one of"),

@@ -112,8 +112,9 @@ def test_expert_bias_updates_and_is_checkpointed(tmp_path):
   train(config, tmp_path, progress=False)
   layout = make_layout(config.parallel)
   spec = state_spec(config, layout, make_optimizer(config.train))
-  restored = Checkpointer(tmp_path / "checkpoints", keep=1).restore(3, spec.abstract,
-                                                                    spec.shardings)
+  checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1)
+  restored, _ = checkpointer.restore(3, spec.abstract, spec.shardings)
+  checkpointer.close()
   biases = [v for v in jax.tree.leaves(restored.rest, is_leaf=lambda x: isinstance(x, ExpertBias))
             if isinstance(v, ExpertBias)]
   assert len(biases) == 1 and biases[0].shape == (2, 8)  # two MoE layers, eight experts

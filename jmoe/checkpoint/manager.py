@@ -1,36 +1,141 @@
-"""Saves and restores the train state under `<workdir>/checkpoints` with Orbax.
+"""Saves and restores training checkpoints under `<workdir>/checkpoints` with Orbax.
+
+Each step's checkpoint holds two items:
+    state/   the train state (step, parameters, optimizer state, router biases)
+    data/    the input pipeline's position, as JSON
+Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
+save (or `wait`) waits for the write to finish. A step's directory appears only when its write is
+complete, so a save cut short leaves no half-written step behind.
 
 Restoring takes the target shardings from the current run, so the saved arrays land directly in
-this run's placement.
+this run's placement whatever layout or device count wrote them. A latest checkpoint that cannot
+be read (a truncated or damaged file) is moved aside to `<workdir>/corrupt_checkpoints/` and the
+previous one is used.
 """
 
 from __future__ import annotations
 
+import logging
 import pathlib
+import shutil
+import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+from jmoe.config import ConfigError
+
+log = logging.getLogger("jmoe")
+
+
+def with_shardings(abstract: Any, shardings: Any) -> Any:
+  """ShapeDtypeStructs that carry the shardings to restore into."""
+  return jax.tree.map(
+      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
+      abstract, shardings)
+
+
+def describe_mismatch(saved: Any, target: Any) -> str | None:
+  """The first difference in structure, shape or dtype between saved metadata and a target tree,
+  or None when they agree."""
+  def by_name(tree):
+    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+  saved_leaves, target_leaves = by_name(saved), by_name(target)
+  missing = sorted(target_leaves.keys() - saved_leaves.keys())
+  if missing:
+    return f"{len(missing)} array(s) this config needs are not in it, e.g. {missing[0]}"
+  extra = sorted(saved_leaves.keys() - target_leaves.keys())
+  if extra:
+    return f"it holds {len(extra)} array(s) this config does not have, e.g. {extra[0]}"
+  for name, want in target_leaves.items():
+    have = saved_leaves[name]
+    if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
+      return (f"{name} is {np.dtype(have.dtype).name}{list(have.shape)} there but "
+              f"{np.dtype(want.dtype).name}{list(want.shape)} in this config")
+  return None
 
 
 class Checkpointer:
 
-  def __init__(self, directory: pathlib.Path, keep: int):
-    self.directory = directory.absolute()
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+  def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True):
+    self.directory = pathlib.Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                           enable_async_checkpointing=async_save)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "data": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def save(self, step: int, state: Any) -> None:
-    self._manager.save(step, args=ocp.args.StandardSave(state), force=True)
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
 
-  def restore(self, step: int, abstract_state: Any, shardings: Any) -> Any:
-    target = jax.tree.map(
-        lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-        abstract_state, shardings)
-    return self._manager.restore(step, args=ocp.args.StandardRestore(target))
+  def save(self, step: int, state: Any, data: dict[str, Any] | None = None) -> None:
+    """Starts saving `state` (and the data position) as step `step`; returns before the write
+    ends. A step that is already saved is left as it is."""
+    if step in self._manager.all_steps():
+      return
+    self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data or {})), force=True)
+
+  def restore(self, step: int, abstract_state: Any, shardings: Any
+              ) -> tuple[Any, dict[str, Any]]:
+    """The train state of `step`, placed by `shardings`, and its data position."""
+    self._check_matches(step, abstract_state)
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),
+        data=ocp.args.JsonRestore()))
+    return restored.state, dict(restored.data or {})
+
+  def restore_latest(self, abstract_state: Any, shardings: Any
+                     ) -> tuple[int, Any, dict[str, Any]] | None:
+    """The newest readable checkpoint as (step, state, data position), or None when there is
+    none. Unreadable ones are reported and moved aside; a checkpoint of another model (different
+    shapes) is an error, since no older one would fit either."""
+    for step in reversed(self.all_steps()):
+      try:
+        state, data = self.restore(step, abstract_state, shardings)
+      except ConfigError:
+        raise
+      except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
+        self._set_aside(step, e)
+        continue
+      return step, state, data
+    return None
+
+  def _check_matches(self, step: int, abstract_state: Any) -> None:
+    try:
+      saved = self._manager.item_metadata(step).state
+    except Exception:  # noqa: BLE001 - unreadable metadata: left to restore to report
+      return
+    if saved is None:
+      return
+    problem = describe_mismatch(saved, abstract_state)
+    if problem:
+      raise ConfigError(
+          f"the checkpoint {self.directory / str(step)} was saved by a different model or "
+          f"optimizer: {problem}. Resume with the config it was saved with (its workdir's "
+          f"config.json), or start in a new --workdir; to start from its parameters only, use "
+          f"--config.checkpoint.load_params")
+
+  def _set_aside(self, step: int, error: Exception) -> None:
+    aside = self.directory.parent / "corrupt_checkpoints" / f"{step}-{int(time.time())}"
+    log.warning("checkpoint %s cannot be read (%s: %s); moving it to %s and trying the one "
+                "before it", self.directory / str(step), type(error).__name__,
+                str(error).splitlines()[0][:300] if str(error) else "", aside)
+    if jax.process_index() == 0:
+      aside.parent.mkdir(parents=True, exist_ok=True)
+      shutil.move(str(self.directory / str(step)), str(aside))
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"jmoe_set_aside_{step}")
+    self._manager.reload()
 
   def wait(self) -> None:
     self._manager.wait_until_finished()

@@ -3,23 +3,25 @@
     CKPT/config.json   the jmoe config the model belongs to
     CKPT/model/        an Orbax checkpoint of every model variable (parameters, expert biases)
 
-`jmoe.convert import-hf` writes these; `jmoe.score` and `jmoe.convert export-hf` read them, and
-also read the latest train state of a training workdir.
+`jmoe.convert import-hf` and `jmoe.convert upcycle` write these. Whatever reads a model (scoring,
+export, `checkpoint.load_params`) also takes a training workdir and reads the model variables of
+its latest checkpoint, without its optimizer state.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from jmoe.checkpoint.manager import Checkpointer, describe_mismatch, with_shardings
 from jmoe.config import Config, ConfigError, from_config_dict, to_dict
 from jmoe.parallel import Layout
-from jmoe.train.optimizer import make_optimizer
-from jmoe.train.state import model_factory, state_spec
+from jmoe.train.state import model_factory
 
 
 def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) -> None:
@@ -34,31 +36,107 @@ def read_config(directory: str | pathlib.Path) -> Config:
   path = pathlib.Path(directory) / "config.json"
   if not path.is_file():
     raise ConfigError(f"{path} does not exist: pass a directory written by `jmoe.convert "
-                      f"import-hf` or a training --workdir")
+                      f"import-hf` or `upcycle`, or a training --workdir")
   return from_config_dict(json.loads(path.read_text()))
+
+
+def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings: nnx.State
+                   ) -> nnx.State:
+  """The model variables saved in `directory` (a model checkpoint or a training workdir), shaped
+  like `abstract` and placed by `shardings`."""
+  directory = pathlib.Path(directory).absolute()
+  if not directory.is_dir():
+    raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
+                      f"import-hf` or `upcycle`) or a training --workdir")
+  target = with_shardings(nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))
+  if (directory / "model").is_dir():
+    with ocp.StandardCheckpointer() as checkpointer:
+      _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
+             target)
+      pure = checkpointer.restore(directory / "model", target)
+  else:
+    step = None
+    if (directory / "checkpoints").is_dir():
+      checkpointer = Checkpointer(directory / "checkpoints", keep=1)
+      step = checkpointer.latest_step()
+      checkpointer.close()
+    if step is None:
+      raise ConfigError(f"{directory} holds neither model/ (a model checkpoint) nor a checkpoint "
+                        f"under checkpoints/ (a training workdir)")
+    pure = _read_from_train_state(directory / "checkpoints" / str(step) / "state", target)
+  state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
+  nnx.replace_by_pure_dict(state, pure)
+  return state
+
+
+def _read_from_train_state(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
+  """Only the model variables of a saved train state (its `params` and `rest`). There each
+  variable is a {"value": array} node, as nnx flattens a Variable, and list indices are strings."""
+  with ocp.PyTreeCheckpointer() as checkpointer:
+    saved = checkpointer.metadata(path).item_metadata
+    saved_model = {}
+    for part in ("params", "rest"):
+      saved_model = merge_dicts(saved_model, _unwrap(dict(saved.get(part) or {})))
+    _check(path, saved_model, _string_keys(target))
+    split = {part: _in_saved_form(target, saved.get(part) or {}) for part in ("params", "rest")}
+    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+        item=split, restore_args=ocp.checkpoint_utils.construct_restore_args(split),
+        partial_restore=True))
+  return _like(target, merge_dicts(_unwrap(restored["params"]), _unwrap(restored["rest"])))
+
+
+def _string_keys(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    return {str(key): _string_keys(value) for key, value in tree.items()}
+  return tree
+
+
+def _unwrap(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    if set(tree) == {"value"}:
+      return tree["value"]
+    return {key: _unwrap(value) for key, value in tree.items()}
+  return tree
+
+
+def _in_saved_form(target: dict, saved: Any) -> dict:
+  """The part of `target` whose variables are in the saved tree, keyed and nested as there."""
+  out = {}
+  for key, value in target.items():
+    key = str(key)
+    if key in saved:
+      if isinstance(value, dict):
+        out[key] = _in_saved_form(value, saved[key])
+      else:
+        wrapped = isinstance(saved[key], dict) and set(saved[key]) == {"value"}
+        out[key] = {"value": value} if wrapped else value
+  return out
+
+
+def _like(target: dict, values: dict) -> dict:
+  """`values` (string keys) with the keys of `target` (which may be list indices)."""
+  return {key: _like(value, values[str(key)]) if isinstance(value, dict) else values[str(key)]
+          for key, value in target.items()}
+
+
+def merge_dicts(a: dict, b: dict) -> dict:
+  out = dict(a)
+  for key, value in b.items():
+    out[key] = merge_dicts(out[key], value) if isinstance(out.get(key), dict) else value
+  return out
+
+
+def _check(path: pathlib.Path, saved: Any, target: Any) -> None:
+  problem = describe_mismatch(saved, target)
+  if problem:
+    raise ConfigError(f"the model in {path} does not fit this config: {problem}. Use the "
+                      f"model settings it was saved with (its config.json)")
 
 
 def load_model(directory: str | pathlib.Path, layout: Layout) -> tuple[Config, nnx.Module]:
   """The model of a model checkpoint, or of a training workdir's latest checkpoint, with its
   variables placed on `layout`."""
-  directory = pathlib.Path(directory).absolute()
   config = read_config(directory)
-  abstract_model = nnx.eval_shape(model_factory(config))
-  graphdef, abstract = nnx.split(abstract_model)
-  if (directory / "model").is_dir():
-    shardings = layout.shardings(abstract)
-    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                          nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))
-    with ocp.StandardCheckpointer() as checkpointer:
-      pure = checkpointer.restore(directory / "model", target)
-    nnx.replace_by_pure_dict(abstract, pure)
-    return config, nnx.merge(graphdef, abstract)
-  from jmoe.checkpoint.manager import Checkpointer  # a training workdir
-  checkpointer = Checkpointer(directory / "checkpoints", keep=1)
-  step = checkpointer.latest_step()
-  if step is None:
-    raise ConfigError(f"{directory} holds neither model/ nor a checkpoint under checkpoints/")
-  spec = state_spec(config, layout, make_optimizer(config.train))
-  state = checkpointer.restore(step, spec.abstract, spec.shardings)
-  checkpointer.close()
-  return config, nnx.merge(spec.graphdef, state.params, state.rest)
+  graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
+  state = read_variables(directory, abstract, layout.shardings(abstract))
+  return config, nnx.merge(graphdef, state)

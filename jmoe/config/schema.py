@@ -162,8 +162,12 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 0  # 0: only the final save
-  keep: int = 3
+  every: int = 0  # 0: only the final save (and one on SIGTERM/SIGINT)
+  keep: int = 3  # the newest this-many checkpoints are kept
+  async_save: bool = True  # write in the background while training goes on
+  # A model checkpoint or training workdir whose model variables (not optimizer state or step)
+  # start this run; used only when the workdir has no checkpoint of its own yet.
+  load_params: str = ""
 
 
 @dataclass(frozen=True)

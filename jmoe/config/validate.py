@@ -71,9 +71,9 @@ def _moe(config: Config):
            f"choose top_k <= num_experts")
   if moe.num_shared_experts < 0:
     yield f"moe.num_shared_experts must be >= 0, got {moe.num_shared_experts}"
-  if not 0 <= moe.first_k_dense < config.model.num_layers:
-    yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers) = "
-           f"[0, {config.model.num_layers}) so that at least one layer has experts")
+  if not 0 <= moe.first_k_dense <= config.model.num_layers:
+    yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers] = "
+           f"[0, {config.model.num_layers}] (all layers dense: a dense model)")
   yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
   yield from _one_of("moe.dispatcher", moe.dispatcher, DISPATCHERS)
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)

@@ -28,8 +28,11 @@ class Transformer(nnx.Module):
         make_stack(lambda r: Block(cfg, None, rngs=r, **kw), moe.first_k_dense, rngs)
         if moe.first_k_dense else None)
     self.first_moe_layer = moe.first_k_dense
-    self.moe_blocks = make_stack(lambda r: Block(cfg, moe, rngs=r, **kw),
-                                 cfg.num_layers - moe.first_k_dense, rngs)
+    self.num_experts = moe.num_experts
+    self.moe_blocks = (  # None: a dense model (as upcycling starts from)
+        make_stack(lambda r: Block(cfg, moe, rngs=r, **kw), cfg.num_layers - moe.first_k_dense,
+                   rngs)
+        if moe.first_k_dense < cfg.num_layers else None)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.head_DV = (
         None if cfg.tie_embeddings else
@@ -70,8 +73,9 @@ class Transformer(nnx.Module):
     """Aux-loss-free balancing after a step: moves each MoE layer's selection bias by its load
     (rows of `load_LE` in the order of the router stats: MoE layers, then MTP blocks)."""
     num_moe = self.cfg.num_layers - self.first_moe_layer
-    bias = self.moe_blocks.mlp.expert_bias_E
-    bias[...] = bias_step(bias[...], load_LE[:num_moe], rate)
+    if self.moe_blocks is not None:
+      bias = self.moe_blocks.mlp.expert_bias_E
+      bias[...] = bias_step(bias[...], load_LE[:num_moe], rate)
     for k, module in enumerate(self.mtp):
       bias = module.block.mlp.expert_bias_E
       bias[...] = bias_step(bias[...], load_LE[num_moe + k], rate)
@@ -86,6 +90,10 @@ class Transformer(nnx.Module):
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
+    if self.moe_blocks is None:
+      no_layers = jnp.zeros((0,), jnp.float32)
+      return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
+                                load_E=jnp.zeros((0, self.num_experts), jnp.float32))
     return run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng,
                      first_layer=self.first_moe_layer)
 

@@ -5,26 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jmoe.cli import run
-from jmoe.config import ConfigError, load_config
+from jmoe.cli import run, split_overrides
+from jmoe.config import load_config
 from jmoe.train.loop import train
-
-
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-  """Separates `--config.a.b=value` / `--config.a.b value` overrides from the other arguments."""
-  rest, overrides, i = [], [], 0
-  while i < len(argv):
-    arg = argv[i]
-    if arg.startswith("--config."):
-      if "=" not in arg:
-        if i + 1 == len(argv):
-          raise ConfigError(f"override {arg} has no value")
-        arg, i = f"{arg}={argv[i + 1]}", i + 1
-      overrides.append(arg)
-    else:
-      rest.append(arg)
-    i += 1
-  return rest, overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,10 +17,18 @@ def main(argv: list[str] | None = None) -> int:
                       help="where metrics, TensorBoard events and checkpoints go; an existing "
                            "workdir resumes from its latest checkpoint")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  group = parser.add_argument_group(
+      "several processes (one per host or GPU), joined by jax.distributed.initialize")
+  group.add_argument("--coordinator", help="host:port of process 0")
+  group.add_argument("--num-processes", type=int)
+  group.add_argument("--process-id", type=int)
 
   def command() -> int:
     rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
+    if args.coordinator:
+      import jax
+      jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     records = train(load_config(args.config, overrides), args.workdir,
                     progress=not args.no_progress)
     if records:

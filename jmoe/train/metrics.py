@@ -18,24 +18,30 @@ def summarize(raw: dict[str, Any], step: int) -> dict[str, Any]:
     value = np.asarray(value)
     record[name] = value.tolist() if value.ndim else float(value)
   load_LE = np.asarray(raw["expert_load"])
-  # Busiest expert's share over the balanced share, per layer; 1.0 is perfect balance.
-  imbalance_L = load_LE.max(axis=-1) * load_LE.shape[-1]
-  record["expert_load_max_over_mean"] = float(imbalance_L.max())
+  if load_LE.size:  # a dense model has no expert load
+    # Busiest expert's share over the balanced share, per layer; 1.0 is perfect balance.
+    imbalance_L = load_LE.max(axis=-1) * load_LE.shape[-1]
+    record["expert_load_max_over_mean"] = float(imbalance_L.max())
   return record
 
 
 class MetricsWriter:
 
   def __init__(self, workdir: pathlib.Path, total_steps: int, start_step: int = 0,
-               progress: bool = True):
-    workdir.mkdir(parents=True, exist_ok=True)
-    self._jsonl = open(workdir / "metrics.jsonl", "a")
-    self._tb = SummaryWriter(str(workdir / "tensorboard"))
+               progress: bool = True, write: bool = True):
+    """With `write=False` (processes other than the first) nothing is written or shown."""
+    self._enabled = write
     self._bar = tqdm.tqdm(total=total_steps, initial=start_step, disable=not progress,
                           dynamic_ncols=True, desc="train")
     self._last_step = start_step
+    if write:
+      workdir.mkdir(parents=True, exist_ok=True)
+      self._jsonl = open(workdir / "metrics.jsonl", "a")
+      self._tb = SummaryWriter(str(workdir / "tensorboard"))
 
   def write(self, record: dict[str, Any]) -> None:
+    if not self._enabled:
+      return
     step = record["step"]
     self._jsonl.write(json.dumps(record) + "\n")
     self._jsonl.flush()
@@ -52,5 +58,6 @@ class MetricsWriter:
 
   def close(self) -> None:
     self._bar.close()
-    self._tb.close()
-    self._jsonl.close()
+    if self._enabled:
+      self._tb.close()
+      self._jsonl.close()

@@ -44,6 +44,8 @@ class StateSpec:
   abstract: TrainState  # ShapeDtypeStructs
   shardings: TrainState  # NamedShardings
   init: Callable[[], TrainState]  # jitted; builds the state directly in its sharded placement
+  # jitted: a state at step 0 with fresh optimizer state around given model variables
+  init_from: Callable[[nnx.State, nnx.State], TrainState]
 
 
 def state_spec(config: Config, layout: Layout, optimizer: optax.GradientTransformation) -> StateSpec:
@@ -54,7 +56,12 @@ def state_spec(config: Config, layout: Layout, optimizer: optax.GradientTransfor
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                       opt_state=optimizer.init(params))
 
+  def init_from(params: nnx.State, rest: nnx.State) -> TrainState:
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                      opt_state=optimizer.init(params))
+
   abstract = jax.eval_shape(init)
   shardings = layout.shardings(abstract)
   return StateSpec(graphdef=nnx.graphdef(nnx.eval_shape(build)), abstract=abstract,
-                   shardings=shardings, init=jax.jit(init, out_shardings=shardings))
+                   shardings=shardings, init=jax.jit(init, out_shardings=shardings),
+                   init_from=jax.jit(init_from, out_shardings=shardings))

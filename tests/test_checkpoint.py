@@ -1,0 +1,283 @@
+"""Checkpoints: exact resume, resume onto other layouts and device counts, several processes,
+preemption, damaged checkpoints, starting from another run's parameters, upcycling."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jmoe.checkpoint import Checkpointer
+from jmoe.checkpoint.params import read_variables, save_model
+from jmoe.config import ConfigError, ParallelConfig, load_config
+from jmoe.data import make_sampler
+from jmoe.parallel import make_layout
+from jmoe.train.loop import initial_state, train
+from jmoe.train.loss import cross_entropy_sum
+from jmoe.train.optimizer import make_optimizer
+from jmoe.train.state import model_factory, state_spec
+from helpers import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny_moe.py"
+# A tiny model, saved at step 3 and 6 of 6; float32 so that other layouts agree closely.
+OVERRIDES = ["model.d_model=32", "model.d_ff=64", "model.num_layers=3", "model.num_heads=4",
+             "model.num_kv_heads=2", "model.head_dim=8", "moe.d_ff_expert=16", "data.seq_len=32",
+             "data.max_corpus_bytes=300000", "train.batch_size=8", "train.steps=6",
+             "train.warmup_steps=2", "train.log_every=1", "checkpoint.every=3",
+             "moe.gemm=ragged_dot", "moe.balance.bias_update_rate=0.001"]
+LAYOUTS = {  # name: (overrides, number of devices)
+    "fsdp8_ep8": (["parallel.dense.data=1", "parallel.dense.fsdp=8", "parallel.expert.data=1",
+                   "parallel.expert.expert=8"], 8),
+    "tp2_ep4_etp2": (["parallel.dense.data=4", "parallel.dense.tensor=2",
+                      "parallel.expert.data=1", "parallel.expert.expert=4",
+                      "parallel.expert.tensor=2", "moe.dispatcher=alltoall"], 8),
+    "fsdp2_tp2_ep2_on4": (["parallel.dense.data=1", "parallel.dense.fsdp=2",
+                           "parallel.dense.tensor=2", "parallel.expert.data=2",
+                           "parallel.expert.expert=2"], 4),
+}
+
+
+def config_for(layout, *more):
+  return load_config(CONFIG, OVERRIDES + LAYOUTS[layout][0] + list(more))
+
+
+def losses(records):
+  return {r["step"]: r["loss"] for r in records}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted run on fsdp8_ep8: its workdir and losses by step."""
+  workdir = tmp_path_factory.mktemp("reference")
+  records = train(config_for("fsdp8_ep8"), workdir, progress=False)
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [3, 6]
+  return workdir, losses(records)
+
+
+def restore(workdir, step, spec):
+  checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
+  state, _ = checkpointer.restore(step, spec.abstract, spec.shardings)
+  checkpointer.close()
+  return state
+
+
+def stopped_at_3(reference, tmp_path):
+  """A copy of the reference workdir as if the run had stopped after step 3."""
+  workdir = tmp_path / "run"
+  shutil.copytree(reference[0], workdir)
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  return workdir
+
+
+def test_a_damaged_latest_checkpoint_falls_back_and_resumes_bit_identically(reference, tmp_path,
+                                                                             caplog):
+  workdir = tmp_path / "run"
+  shutil.copytree(reference[0], workdir)
+  for path in (workdir / "checkpoints" / "6" / "state").rglob("*"):
+    if path.is_file() and path.parent.name == "d":  # the array data files: cut in half
+      path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+  records = train(config_for("fsdp8_ep8"), workdir, progress=False)
+  assert "checkpoints/6 cannot be read" in caplog.text
+  assert [p.name.split("-")[0] for p in (workdir / "corrupt_checkpoints").iterdir()] == ["6"]
+  # Resumed from step 3 on the same layout: the same losses to the bit.
+  assert losses(records) == {s: reference[1][s] for s in (4, 5, 6)}
+  logged = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
+  assert logged == [1, 2, 3, 4, 5, 6]  # steps 4-6 logged once, not twice
+
+
+@pytest.mark.parametrize("layout", ["tp2_ep4_etp2", "fsdp2_tp2_ep2_on4"])
+def test_resume_on_another_layout_and_device_count(reference, tmp_path, layout):
+  workdir = stopped_at_3(reference, tmp_path)
+  records = train(config_for(layout), workdir, progress=False,
+                  devices=jax.devices()[:LAYOUTS[layout][1]])
+  got = losses(records)
+  assert sorted(got) == [4, 5, 6]
+  for step, loss in got.items():
+    np.testing.assert_allclose(loss, reference[1][step], rtol=1e-5)
+
+
+def test_resuming_with_another_model_is_refused(reference, tmp_path):
+  workdir = stopped_at_3(reference, tmp_path)
+  with pytest.raises(ConfigError, match=r"saved by a different model or optimizer: .*"
+                                        r"moe_blocks/mlp/w_in_ED2F.* is float32\[2, 8, 32, 2, 16\] "
+                                        r"there but float32\[2, 8, 32, 2, 24\]"):
+    train(config_for("fsdp8_ep8", "moe.d_ff_expert=24"), workdir, progress=False)
+  assert (workdir / "checkpoints" / "3").is_dir()  # nothing moved aside or lost
+
+
+def test_load_params_starts_fresh_from_another_runs_model(reference, tmp_path):
+  config = config_for("tp2_ep4_etp2", f"checkpoint.load_params={reference[0]}")
+  layout = make_layout(config.parallel)
+  spec = state_spec(config, layout, make_optimizer(config.train))
+  empty = Checkpointer(tmp_path, keep=1)
+  step, state, next_batch = initial_state(config, spec, empty)
+  empty.close()
+  assert (step, next_batch, int(state.step)) == (0, 0, 0)
+  saved = restore(reference[0], 6, spec)
+  for a, b in zip(jax.tree.leaves((state.params, state.rest)),
+                  jax.tree.leaves((saved.params, saved.rest))):
+    np.testing.assert_array_equal(a, b)
+    assert a.sharding == b.sharding  # placed for this run's layout
+  assert all(float(np.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
+             if x.ndim)  # fresh Adam moments
+
+
+def test_two_processes_resume_and_save_like_one(reference, tmp_path):
+  """2 processes x 4 CPU devices restore a one-process checkpoint, train, and save one that a
+  single process restores."""
+  workdir = stopped_at_3(reference, tmp_path)
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu")
+  overrides = [f"--config.{o}" for o in OVERRIDES + LAYOUTS["tp2_ep4_etp2"][0]]
+  procs = [subprocess.Popen(
+      [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir", str(workdir),
+       "--no-progress", "--coordinator", f"localhost:{port}", "--num-processes", "2",
+       "--process-id", str(i), *overrides],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(2)]
+  for proc in procs:
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+  logged = [json.loads(line) for line in (workdir / "metrics.jsonl").open()]
+  assert [r["step"] for r in logged] == [1, 2, 3, 4, 5, 6]
+  for r in logged[3:]:
+    np.testing.assert_allclose(r["loss"], reference[1][r["step"]], rtol=1e-5)
+
+  config = config_for("fsdp8_ep8")
+  spec = state_spec(config, make_layout(config.parallel), make_optimizer(config.train))
+  mine, ref = restore(workdir, 6, spec), restore(reference[0], 6, spec)
+  for a, b in zip(jax.tree.leaves(mine.params), jax.tree.leaves(ref.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+
+  def command(steps):
+    overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "checkpoint.every"))]
+    return [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir",
+            str(tmp_path), "--no-progress", f"--config.train.steps={steps}",
+            *[f"--config.{o}" for o in overrides]]
+
+  metrics = tmp_path / "metrics.jsonl"
+  proc = subprocess.Popen(command(100_000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 240
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.2)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+  checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1)
+  stopped = checkpointer.latest_step()
+  checkpointer.close()
+  assert f"stopped by SIGTERM after step {stopped}" in err
+  assert json.loads(metrics.read_text().splitlines()[-1])["step"] <= stopped
+
+  result = subprocess.run(command(stopped + 2), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stderr
+  steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  assert steps[-2:] == [stopped + 1, stopped + 2] and len(steps) == len(set(steps))
+
+
+# Upcycling -------------------------------------------------------------------------------------
+
+DENSE = dict(model=dict(d_ff=64), moe=dict(first_k_dense=3))
+UPCYCLED = {
+    # copies of the MLP, softmax with renormalised top-k, random router
+    "copies": (dict(num_experts=4, top_k=2, d_ff_expert=64, first_k_dense=0), None),
+    # 4 slices, 2 copies, one layer left dense, a shared expert, softmax over the chosen
+    "fine_grained": (dict(num_experts=8, top_k=4, d_ff_expert=16, first_k_dense=1,
+                          num_shared_experts=1, router=dict(score="softmax_topk")), None),
+    # sigmoid without renormalisation, scaled, group-limited: equal under uniform routing
+    "sigmoid_groups": (dict(num_experts=8, top_k=2, d_ff_expert=32, first_k_dense=0,
+                            router=dict(score="sigmoid", norm_topk_prob=False,
+                                        scaling_factor=2.5, num_groups=2, topk_groups=1)), 0.0),
+}
+
+
+def mean_loss(model, tokens_BS1):
+  logits_BSV, _ = model(tokens_BS1[:, :-1])
+  return float(cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:])) / tokens_BS1[:, 1:].size
+
+
+@pytest.mark.parametrize("name", list(UPCYCLED))
+def test_upcycled_model_computes_what_the_dense_model_does(tmp_path, name):
+  from jmoe.checkpoint.params import load_model
+  from jmoe.checkpoint.upcycle import upcycle
+  moe, router_std = UPCYCLED[name]
+  dense_config = tiny_config(**DENSE)
+  dense = model_factory(dense_config)()
+  save_model(tmp_path / "dense", nnx.state(dense), dense_config)
+  config = tiny_config(model=dict(d_ff=64), moe=moe)
+  upcycle(tmp_path / "dense", config, tmp_path / "moe", router_std)
+  _, model = load_model(tmp_path / "moe", make_layout(ParallelConfig(), jax.devices()[:1]))
+  tokens = make_sampler(config.data, 0, 264).batch(0, 8)["tokens"]
+  dense_logits, _ = dense(tokens[:, :-1])
+  moe_logits, stats = model(tokens[:, :-1])
+  np.testing.assert_allclose(moe_logits, dense_logits, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(mean_loss(model, tokens), mean_loss(dense, tokens), rtol=1e-6)
+  if router_std is None:  # a random router spreads tokens over the copies
+    assert float(np.min(np.max(stats.load_E, axis=-1))) < 0.9
+
+
+def test_upcycling_from_the_command_line_then_training(tmp_path):
+  """`jmoe.convert upcycle` on a trained dense run; the MoE run's first loss is the dense one's."""
+  dense_overrides = [o for o in OVERRIDES if not o.startswith("moe.balance")] + [
+      "model.d_ff=64", "moe.first_k_dense=3", "train.steps=3", "checkpoint.every=0"]
+  dense = load_config(CONFIG, dense_overrides)
+  train(dense, tmp_path / "dense", progress=False, devices=jax.devices()[:1])
+  moe_overrides = dense_overrides[:-3] + ["moe.first_k_dense=0", "moe.num_experts=8",
+                                          "moe.top_k=4", "moe.d_ff_expert=16"]
+  result = subprocess.run(
+      [sys.executable, "-m", "jmoe.convert", "upcycle", "--checkpoint", str(tmp_path / "dense"),
+       "--config", str(CONFIG), "--out", str(tmp_path / "moe"),
+       *[f"--config.{o}" for o in moe_overrides]],
+      cwd=ROOT, capture_output=True, text=True, timeout=240,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "wrote" in result.stdout
+
+  def first_lm_loss(config_overrides, source, workdir):
+    config = load_config(CONFIG, config_overrides + ["train.steps=3",
+                                                     f"checkpoint.load_params={source}"])
+    return train(config, workdir, progress=False, devices=jax.devices()[:1])[0]["lm_loss"]
+
+  dense_loss = first_lm_loss(dense_overrides[:-2], tmp_path / "dense", tmp_path / "d2")
+  moe_loss = first_lm_loss(moe_overrides, tmp_path / "moe", tmp_path / "m2")
+  np.testing.assert_allclose(moe_loss, dense_loss, rtol=1e-5)
+
+
+def test_upcycling_refuses_what_cannot_match(tmp_path):
+  from jmoe.checkpoint.upcycle import upcycle
+  dense_config = tiny_config(**DENSE)
+  save_model(tmp_path / "dense", nnx.state(model_factory(dense_config)()), dense_config)
+  with pytest.raises(ConfigError, match=r"moe.num_experts \(6\) and moe.top_k \(2\) must be "
+                                        r"multiples of it"):
+    upcycle(tmp_path / "dense", tiny_config(model=dict(d_ff=64), moe=dict(
+        num_experts=6, top_k=2, d_ff_expert=16)), tmp_path / "out")
+  with pytest.raises(ConfigError, match=r"model.d_model \(48 here, 32 in the checkpoint\)"):
+    upcycle(tmp_path / "dense", tiny_config(model=dict(d_ff=64, d_model=48)), tmp_path / "out")
+  with pytest.raises(ConfigError, match="nothing does not exist"):
+    read_variables(tmp_path / "nothing", None, None)
+  abstract = nnx.state(nnx.eval_shape(model_factory(dense_config)))
+  with pytest.raises(ConfigError, match=r"neither model/ \(a model checkpoint\) nor a checkpoint"):
+    read_variables(tmp_path, abstract,
+                   make_layout(ParallelConfig(), jax.devices()[:1]).shardings(abstract))
