@@ -132,22 +132,34 @@ def test_load_params_starts_fresh_from_another_runs_model(reference, tmp_path):
              if x.ndim)  # fresh Adam moments
 
 
-def test_two_processes_resume_and_save_like_one(reference, tmp_path):
-  """2 processes x 4 CPU devices restore a one-process checkpoint, train, and save one that a
-  single process restores."""
-  workdir = stopped_at_3(reference, tmp_path)
+def two_processes(workdir, overrides):
+  """`python -m jmoe.train` as 2 processes of 4 CPU devices each, joined on localhost."""
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu")
-  overrides = [f"--config.{o}" for o in OVERRIDES + LAYOUTS["tp2_ep4_etp2"][0]]
-  procs = [subprocess.Popen(
+  return [subprocess.Popen(
       [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir", str(workdir),
        "--no-progress", "--coordinator", f"localhost:{port}", "--num-processes", "2",
-       "--process-id", str(i), *overrides],
+       "--process-id", str(i), *[f"--config.{o}" for o in overrides]],
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
       for i in range(2)]
+
+
+def wait_for_steps(metrics, count, procs):
+  deadline = time.time() + 240
+  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= count):
+    for proc in procs:
+      assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+    time.sleep(0.2)
+
+
+def test_two_processes_resume_and_save_like_one(reference, tmp_path):
+  """2 processes x 4 CPU devices restore a one-process checkpoint, train, and save one that a
+  single process restores."""
+  workdir = stopped_at_3(reference, tmp_path)
+  procs = two_processes(workdir, OVERRIDES + LAYOUTS["tp2_ep4_etp2"][0])
   for proc in procs:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
@@ -176,10 +188,7 @@ def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
   metrics = tmp_path / "metrics.jsonl"
   proc = subprocess.Popen(command(100_000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
-  deadline = time.time() + 240
-  while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-    assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
-    time.sleep(0.2)
+  wait_for_steps(metrics, 3, [proc])
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
@@ -193,8 +202,29 @@ def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
                           text=True, timeout=240)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"resuming from {tmp_path / 'checkpoints' / str(stopped)}" in result.stderr
-  steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  records = [json.loads(line) for line in metrics.read_text().splitlines()]
+  steps = [r["step"] for r in records]
   assert steps[-2:] == [stopped + 1, stopped + 2] and len(steps) == len(set(steps))
+  # What every run writes besides checkpoints.
+  for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "tokens_per_s", "lr"):
+    assert all(np.isfinite(r[key]) for r in records), key
+  assert np.asarray(records[0]["expert_load"]).shape == (2, 8)  # two MoE layers, 8 experts
+  assert any((tmp_path / "tensorboard").iterdir())
+  assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == stopped + 2
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_one_step(tmp_path):
+  overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "checkpoint.every"))]
+  procs = two_processes(tmp_path, overrides + ["train.steps=100000", "model.num_layers=2"])
+  wait_for_steps(tmp_path / "metrics.jsonl", 3, procs)
+  procs[1].send_signal(signal.SIGTERM)
+  errors = [proc.communicate(timeout=120)[1] for proc in procs]
+  assert [proc.returncode for proc in procs] == [143, 143], errors[0][-3000:]
+  checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1)
+  stopped = checkpointer.latest_step()
+  checkpointer.close()
+  for err in errors:
+    assert f"stopped by SIGTERM after step {stopped}" in err
 
 
 # Upcycling -------------------------------------------------------------------------------------

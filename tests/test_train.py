@@ -1,6 +1,5 @@
 """Training end to end: the loss falls, accumulation is exact, the CLI writes what it promises."""
 
-import json
 import os
 import pathlib
 import subprocess
@@ -56,16 +55,6 @@ def test_gradient_accumulation_equals_one_big_batch():
   np.testing.assert_allclose(accum["expert_load"], whole["expert_load"], rtol=1e-5)
 
 
-def test_data_parallel_matches_one_device():
-  config = tiny_config()
-  one, p_one = first_step(config, jax.devices()[:1])
-  eight, p_eight = first_step(config, jax.devices())
-  np.testing.assert_allclose(eight["loss"], one["loss"], rtol=1e-5)
-  np.testing.assert_allclose(eight["grad_norm"], one["grad_norm"], rtol=1e-4)
-  for a, b in zip(jax.tree.leaves(p_eight), jax.tree.leaves(p_one)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
-
-
 def run_cli(workdir, *overrides):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "jmoe.train", "--config", str(ROOT / "configs" / "tiny_moe.py"),
@@ -75,26 +64,6 @@ def run_cli(workdir, *overrides):
          "--config.data.max_corpus_bytes=300000", "--config.train.warmup_steps=1",
          "--config.train.log_every=2", *overrides]
   return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
-
-
-def test_cli_writes_metrics_and_checkpoint_then_resumes(tmp_path):
-  result = run_cli(tmp_path, "--config.train.steps=4")
-  assert result.returncode == 0, result.stderr
-  records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in records] == [1, 2, 4]
-  for key in ("loss", "lm_loss", "aux_loss", "z_loss", "grad_norm", "tokens_per_s", "lr"):
-    assert all(np.isfinite(r[key]) for r in records), key
-  assert np.asarray(records[0]["expert_load"]).shape == (1, 8)  # one MoE layer, 8 experts
-  assert (tmp_path / "checkpoints" / "4").is_dir()
-  assert any((tmp_path / "tensorboard").iterdir())
-  assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 4
-
-  # Same workdir, more steps: continues from step 4 rather than starting over.
-  result = run_cli(tmp_path, "--config.train.steps=6")
-  assert result.returncode == 0, result.stderr
-  steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert steps == [1, 2, 4, 5, 6]
-  assert (tmp_path / "checkpoints" / "6").is_dir()
 
 
 def test_cli_reports_config_errors(tmp_path):
