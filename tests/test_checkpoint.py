@@ -19,7 +19,7 @@ from flax import nnx
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.params import read_variables, save_model
 from jmoe.config import ConfigError, ParallelConfig, load_config
-from jmoe.data import make_sampler
+from jmoe.data import first_batches
 from jmoe.parallel import make_layout
 from jmoe.train.loop import initial_state, train
 from jmoe.train.loss import cross_entropy_sum
@@ -120,9 +120,9 @@ def test_load_params_starts_fresh_from_another_runs_model(reference, tmp_path):
   layout = make_layout(config.parallel)
   spec = state_spec(config, layout, make_optimizer(config.train))
   empty = Checkpointer(tmp_path, keep=1)
-  step, state, next_batch = initial_state(config, spec, empty)
+  step, state, data_state = initial_state(config, spec, empty)
   empty.close()
-  assert (step, next_batch, int(state.step)) == (0, 0, 0)
+  assert (step, data_state, int(state.step)) == (0, None, 0)
   saved = restore(reference[0], 6, spec)
   for a, b in zip(jax.tree.leaves((state.params, state.rest)),
                   jax.tree.leaves((saved.params, saved.rest))):
@@ -259,7 +259,7 @@ def test_upcycled_model_computes_what_the_dense_model_does(tmp_path, name):
   config = tiny_config(model=dict(d_ff=64), moe=moe)
   upcycle(tmp_path / "dense", config, tmp_path / "moe", router_std)
   _, model = load_model(tmp_path / "moe", make_layout(ParallelConfig(), jax.devices()[:1]))
-  tokens = make_sampler(config.data, 0, 264).batch(0, 8)["tokens"]
+  tokens = first_batches(config)[0]["tokens"]
   dense_logits, _ = dense(tokens[:, :-1])
   moe_logits, stats = model(tokens[:, :-1])
   np.testing.assert_allclose(moe_logits, dense_logits, rtol=1e-4, atol=1e-5)

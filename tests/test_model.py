@@ -118,7 +118,7 @@ def test_multi_token_prediction_heads_are_causal_and_leave_the_main_head_alone()
 
 
 def test_mtp_loss_against_numpy():
-  from jmoe.train.loss import mtp_loss
+  from jmoe.train.loss import mtp_loss, target_masks
   rng = np.random.default_rng(0)
   logits = rng.normal(size=(2, 3, 6, 11)).astype(np.float32)
   window = rng.integers(0, 11, size=(2, 7))
@@ -130,5 +130,8 @@ def test_mtp_loss_against_numpy():
         row = logits[b, k, i].astype(np.float64)
         nll.append(np.log(np.exp(row).sum()) - row[window[b, i + k + 2]])
     expected += np.sum(nll) / (2 * (6 - k - 1))
-  got = mtp_loss(jnp.asarray(logits), jnp.asarray(window), num_sequences=2, weight=0.3)
+  _, mask = target_masks(jnp.asarray(window), None, 3)
+  count = jnp.sum(mask, axis=(0, 2))
+  np.testing.assert_array_equal(count, [2 * (6 - k - 1) for k in range(3)])
+  got = mtp_loss(jnp.asarray(logits), jnp.asarray(window), mask, count, weight=0.3)
   np.testing.assert_allclose(got, 0.3 * expected / 3, rtol=1e-5)

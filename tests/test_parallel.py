@@ -6,12 +6,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
-from jmoe.data import make_sampler
+from jmoe.data import first_batches
 from jmoe.parallel import make_layout
 from jmoe.parallel.fold import fold
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.state import state_spec
-from jmoe.train.step import make_loss_fn
+from jmoe.train.step import make_loss_fn, target_counts
 from helpers import tiny_config
 
 MODEL = dict(d_model=32, num_heads=8, num_kv_heads=4, head_dim=8, d_ff=64, num_layers=3)
@@ -33,13 +33,13 @@ def loss_and_grads(config, devices):
   layout = make_layout(config.parallel, devices)
   spec = state_spec(config, layout, make_optimizer(config.train))
   state = spec.init()
-  tokens = make_sampler(config.data, 0, 264).batch(0, config.train.batch_size)["tokens"]
-  tokens = jax.device_put(tokens, layout.batch)
+  # A packed batch: several documents per row, attention kept within each.
+  batch = jax.device_put(first_batches(config)[0], layout.batch)
   loss_fn = make_loss_fn(spec.graphdef, config)
-  num_targets = tokens.shape[0] * (tokens.shape[1] - 1)
+  counts = target_counts(batch, config.model.mtp_depth)
   with layout.active():
-    fn = jax.jit(lambda p, r, t: jax.value_and_grad(loss_fn, has_aux=True)(p, r, t, num_targets, 1))
-    (loss, metrics), grads = fn(state.params, state.rest, tokens)
+    fn = jax.jit(lambda p, r, b: jax.value_and_grad(loss_fn, has_aux=True)(p, r, b, counts, 1))
+    (loss, metrics), grads = fn(state.params, state.rest, batch)
   return jax.device_get((loss, metrics, grads))
 
 

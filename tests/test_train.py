@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jmoe.data import make_sampler
+from jmoe.data import first_batches
 from jmoe.parallel import make_layout
 from jmoe.train.loop import train
 from jmoe.train.optimizer import learning_rate, make_optimizer
@@ -26,8 +26,7 @@ def first_step(config, devices):
   optimizer = make_optimizer(config.train)
   spec = state_spec(config, layout, optimizer)
   step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)))
-  batch = jax.device_put(make_sampler(config.data, 0, 264).batch(0, config.train.batch_size),
-                         layout.batch)
+  batch = jax.device_put(first_batches(config)[0], layout.batch)
   state, metrics = step(spec.init(), batch)
   return jax.device_get(metrics), jax.device_get(state.params)
 

@@ -144,13 +144,29 @@ class TrainConfig:
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
   mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
+  eval_every: int = 0  # steps between evaluations on the held-out split (0: none)
   remat: str = "none"  # none | full
 
 
 @dataclass(frozen=True)
 class DataConfig:
-  source: str = "stdlib"  # the Python standard library's own sources, present on every machine
+  # Where documents come from: comma-separated entries, each "[KIND:]PATH[@WEIGHT]" or "stdlib".
+  # KIND: text (a file per document), jsonl, parquet (a text column), tokens (a directory from
+  # `python -m jmoe.data.prepare`); without it, it is read from the files. PATH: a file, a
+  # directory or a glob. WEIGHT: the entry's share of a mixture (default 1). "stdlib": the Python
+  # standard library's own sources, present on every machine (capped at max_corpus_bytes).
+  source: str = "stdlib"
+  tokenizer: str = ""  # a tokenizer.json file; "": bytes (258 ids)
+  eod_token: str = ""  # the tokenizer's end-of-document token; "": the first of the usual names
+  text_key: str = "text"  # the JSON field or Parquet column holding the text
   seq_len: int = 256
+  # concat: documents concatenated and cut into rows (no padding; a long document spans rows);
+  # none: one document per row, cut at seq_len and padded.
+  packing: str = "concat"
+  shuffle: bool = True  # documents in a new random order each epoch
+  eval_fraction: float = 0.0  # share of each source's documents held out for evaluation
+  eval_batches: int = 4  # global batches of held-out rows in each evaluation
+  prefetch: int = 2  # batches prepared ahead by a background thread
   max_corpus_bytes: int = 16_000_000
 
 

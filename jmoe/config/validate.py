@@ -14,7 +14,7 @@ AUX_LOSS_TYPES = ("global", "micro_batch", "seq")
 DROP_POLICIES = ("probability", "position")
 REMAT_POLICIES = ("none", "full")
 DTYPES = ("float32", "bfloat16")
-DATA_SOURCES = ("stdlib",)
+PACKINGS = ("concat", "none")
 FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 ATTENTIONS = ("gqa", "mla")
@@ -122,8 +122,16 @@ def _train(config: Config):
 
 def _data(config: Config):
   d = config.data
-  yield from _positive("data", d, "seq_len", "max_corpus_bytes")
-  yield from _one_of("data.source", d.source, DATA_SOURCES)
+  yield from _positive("data", d, "seq_len", "max_corpus_bytes", "eval_batches")
+  yield from _one_of("data.packing", d.packing, PACKINGS)
+  if not d.source.strip():
+    yield "data.source is empty: name files or directories, or use stdlib"
+  if not 0 <= d.eval_fraction < 1:
+    yield f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}"
+  if config.train.eval_every and not d.eval_fraction:
+    yield "train.eval_every needs held-out documents: set data.eval_fraction (e.g. 0.01)"
+  if config.train.eval_every < 0 or d.prefetch < 0:
+    yield "train.eval_every and data.prefetch must be >= 0"
 
 
 def _other(config: Config):

@@ -1,5 +1,4 @@
-"""Training data: corpora, tokenizers, and batches placed on the devices."""
+"""Training data: document sources, tokenizers, packing, and batches placed on the devices."""
 
-from jmoe.data.batches import WindowSampler, make_sampler
-from jmoe.data.corpus import stdlib_documents
-from jmoe.data.tokenizer import ByteTokenizer
+from jmoe.data.pipeline import DataPipeline, first_batches
+from jmoe.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

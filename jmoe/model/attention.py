@@ -22,6 +22,11 @@ Q_AXES = ("act_batch", "act_seq", "act_heads", None)
 KV_AXES = ("act_batch", None, "act_kv_heads", None)
 
 
+def same_document(segment_ids_BS: jax.Array) -> jax.Array:
+  """[B, 1, S, S]: whether query and key belong to the same packed document."""
+  return (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
+
+
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
@@ -44,7 +49,10 @@ class Attention(nnx.Module):
     self.q_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0) -> jax.Array:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
+               segment_ids_BS: jax.Array | None = None) -> jax.Array:
+    """`segment_ids_BS`: which packed document each token belongs to; tokens attend only within
+    their own (None: one document per row)."""
     cfg, dt = self.cfg, self.dtype
     project = lambda w, b, spec: jnp.einsum(spec, x_BSD, w[...].astype(dt)) + (
         0 if b is None else b[...].astype(dt))
@@ -56,31 +64,33 @@ class Attention(nnx.Module):
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
     k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, cfg.rope_theta, cfg.yarn), KV_AXES)
     v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = self._attend(q_BSHA, k_BSGA, v_BSGA, layer)
+    out_BSHA = self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS)
     out_BSD = jnp.einsum("bsha,had->bsd", constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt))
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
-  def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer) -> jax.Array:
+  def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:
     cfg = self.cfg
     kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn))
     windowed_here = bool(cfg.sliding_window)
     if cfg.sliding_window and cfg.full_attention_every:  # this layer's window: by its index
       windowed_here = (layer % cfg.full_attention_every) != cfg.full_attention_every - 1
-    if self.sinks_H is None and not cfg.full_attention_every:  # the kernel builds the mask
+    if self.sinks_H is None and not cfg.full_attention_every and segment_ids_BS is None:
+      # The kernel builds the mask.
       window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self
       return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True,
                                           local_window_size=window, **kwargs)
     seq = q_BSHA.shape[1]
     distance_SS = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
     in_window_SS = distance_SS < max(cfg.sliding_window, 1)
-    allowed_SS = (distance_SS >= 0) & (jnp.logical_not(windowed_here) | in_window_SS)
+    allowed_11SS = ((distance_SS >= 0) & (jnp.logical_not(windowed_here) | in_window_SS))[None, None]
+    if segment_ids_BS is not None:
+      allowed_11SS = allowed_11SS & same_document(segment_ids_BS)  # now [B, 1, S, S]
     if self.sinks_H is None:
-      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_SS[None, None],
-                                          **kwargs)
+      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_11SS, **kwargs)
     # A sink is one more key that every query sees, whose logit is the head's learned sink and
     # whose value is zero: it only adds exp(sink) to each softmax denominator.
     pad = lambda t: jnp.pad(t, ((0, 0), (1, 0), (0, 0), (0, 0)))
-    mask_11SS = jnp.pad(allowed_SS, ((0, 0), (1, 0)), constant_values=True)[None, None]
+    mask_11SS = jnp.pad(allowed_11SS, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=True)
     bias_1H1S = jnp.zeros((1, q_BSHA.shape[2], 1, seq + 1), q_BSHA.dtype).at[:, :, 0, 0].set(
         self.sinks_H[...].astype(q_BSHA.dtype))
     return jax.nn.dot_product_attention(q_BSHA, pad(k_BSGA), pad(v_BSGA), bias=bias_1H1S,

@@ -31,11 +31,12 @@ class Block(nnx.Module):
     else:
       self.mlp = MoE(cfg.d_model, moe, cfg.init_std, dtype=dtype, **kw)
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, rng: jax.Array | None = None,
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
+               segment_ids_BS: jax.Array | None = None, rng: jax.Array | None = None,
                layer: jax.Array | int = 0):
     """Returns the block's output and, for an MoE block, its router stats (else None). `rng`, if
     given, drives the router's training noise; `layer` is the block's index in the model."""
-    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, layer),
+    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, layer, segment_ids_BS),
                       RESIDUAL_AXES)
     if isinstance(self.mlp, MoE):
       y_BSD, stats = self.mlp(self.mlp_norm(x_BSD), rng=rng)

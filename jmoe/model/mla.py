@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import ModelConfig
-from jmoe.model.attention import KV_AXES, Q_AXES
+from jmoe.model.attention import KV_AXES, Q_AXES, same_document
 from jmoe.model.layers import RMSNorm, param
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.parallel import constrain
@@ -41,7 +41,8 @@ class MLAttention(nnx.Module):
                             (None, "heads", None), **kw)
     self.w_o_HVD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
 
-  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0) -> jax.Array:
+  def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
+               segment_ids_BS: jax.Array | None = None) -> jax.Array:
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     w = lambda p: p[...].astype(dt)
     if m.q_lora_rank:
@@ -65,7 +66,12 @@ class MLAttention(nnx.Module):
     v_BSHK = jnp.pad(v_BSHV, ((0, 0), (0, 0), (0, 0), (0, max(head_k - m.v_head_dim, 0))))
     q_BSHK, k_BSHK, v_BSHK = (constrain(q_BSHK, Q_AXES), constrain(k_BSHK, KV_AXES),
                               constrain(v_BSHK, KV_AXES))
-    out_BSHK = jax.nn.dot_product_attention(q_BSHK, k_BSHK, v_BSHK, is_causal=True,
+    mask = None
+    if segment_ids_BS is not None:
+      seq = segment_ids_BS.shape[1]
+      mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None] & same_document(segment_ids_BS)
+    out_BSHK = jax.nn.dot_product_attention(q_BSHK, k_BSHK, v_BSHK, mask=mask,
+                                            is_causal=mask is None,
                                             scale=softmax_scale(head_k, cfg.yarn))
     out_BSHV = constrain(out_BSHK, Q_AXES)[..., :m.v_head_dim]
     return jnp.einsum("bshv,hvd->bsd", out_BSHV, w(self.w_o_HVD))

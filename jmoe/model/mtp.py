@@ -24,10 +24,10 @@ class MTPModule(nnx.Module):
     self.w_proj_2DD = param(rngs, (2 * d, d), (None, "embed"), std=cfg.init_std, dtype=param_dtype)
     self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
 
-  def __call__(self, h_BSD, emb_BSD, positions_BS, rng, layer):
+  def __call__(self, h_BSD, emb_BSD, positions_BS, segment_ids_BS, rng, layer):
     """Returns (the new hidden state for the next module, the normed state for the head, stats)."""
     x_BS2D = jnp.concatenate([self.embed_norm(emb_BSD), self.hidden_norm(h_BSD)], axis=-1)
     x_BSD = constrain(jnp.einsum("bsc,cd->bsd", x_BS2D, self.w_proj_2DD[...].astype(self.dtype)),
                       RESIDUAL_AXES)
-    x_BSD, stats = self.block(x_BSD, positions_BS, rng=rng, layer=layer)
+    x_BSD, stats = self.block(x_BSD, positions_BS, segment_ids_BS, rng=rng, layer=layer)
     return x_BSD, self.out_norm(x_BSD), stats

@@ -40,29 +40,33 @@ class Transformer(nnx.Module):
               dtype=param_dtype))
     self.mtp = nnx.List([MTPModule(cfg, moe, rngs=rngs, **kw) for _ in range(cfg.mtp_depth)])
 
-  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None, *,
+  def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+               segment_ids_BS: jax.Array | None = None, *,
                rng: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
     """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers).
 
-    `rng` is for training-time noise (router jitter); without it the model is deterministic.
+    Packed rows pass each token's position in its document and its document's segment id (tokens
+    attend only within their document); by default a row is one document. `rng` is for
+    training-time noise (router jitter); without it the model is deterministic.
     """
     positions_BS = self._positions(tokens_BS, positions_BS)
-    h_BSD, stats = self._trunk(tokens_BS, positions_BS, rng)
+    h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
     return self._logits(self.final_norm(h_BSD)), stats
 
   def with_mtp(self, tokens_BS: jax.Array, next_tokens_BKS: jax.Array,
-               positions_BS: jax.Array | None = None, *, rng: jax.Array | None = None):
+               positions_BS: jax.Array | None = None, segment_ids_BS: jax.Array | None = None,
+               *, rng: jax.Array | None = None):
     """Training forward with multi-token prediction: `next_tokens_BKS[:, k]` are the tokens k + 1
     places ahead of `tokens_BS`. Returns (logits, MTP logits [B, depth, S, V], router stats of
     the MoE layers and then the MTP blocks)."""
     positions_BS = self._positions(tokens_BS, positions_BS)
-    h_BSD, stats = self._trunk(tokens_BS, positions_BS, rng)
+    h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
     logits_BSV = self._logits(self.final_norm(h_BSD))
     mtp_logits, mtp_stats = [], []
     for k, module in enumerate(self.mtp):
       key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
       h_BSD, out_BSD, block_stats = module(h_BSD, self.embed(next_tokens_BKS[:, k]), positions_BS,
-                                           key, self.cfg.num_layers + k)
+                                           segment_ids_BS, key, self.cfg.num_layers + k)
       mtp_logits.append(self._logits(out_BSD))
       mtp_stats.append(block_stats)
     if mtp_stats:
@@ -85,17 +89,18 @@ class Transformer(nnx.Module):
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     return positions_BS
 
-  def _trunk(self, tokens_BS, positions_BS, rng):
+  def _trunk(self, tokens_BS, positions_BS, segment_ids_BS, rng):
     """The hidden state after the last block (before the final norm) and the MoE router stats."""
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
-      x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, remat=self.remat)
+      x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
+                           remat=self.remat)
     if self.moe_blocks is None:
       no_layers = jnp.zeros((0,), jnp.float32)
       return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
                                 load_E=jnp.zeros((0, self.num_experts), jnp.float32))
-    return run_stack(self.moe_blocks, x_BSD, positions_BS, remat=self.remat, rng=rng,
-                     first_layer=self.first_moe_layer)
+    return run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS, remat=self.remat,
+                     rng=rng, first_layer=self.first_moe_layer)
 
   def _logits(self, x_BSD):
     if self.head_DV is None:

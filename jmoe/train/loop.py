@@ -13,13 +13,13 @@ from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
 from jmoe.config import Config, ConfigError, to_dict
-from jmoe.data import make_sampler
+from jmoe.data import DataPipeline
 from jmoe.parallel import Layout, make_layout
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.preemption import Interrupted, StopSignals
 from jmoe.train.state import StateSpec, TrainState, state_spec
-from jmoe.train.step import make_train_step
+from jmoe.train.step import make_eval_step, make_train_step
 
 log = logging.getLogger("jmoe")
 
@@ -58,21 +58,24 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
   num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
   log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
            layout.mesh.devices.size, jax.default_backend(), layout.describe())
+  data = DataPipeline(config, layout)  # first: bad data input stops before anything is loaded
   checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                               async_save=config.checkpoint.async_save)
-  start, state, next_batch = initial_state(config, spec, checkpointer)
+  start, state, data_state = initial_state(config, spec, checkpointer)
   if lead:
     drop_metrics_after(workdir / "metrics.jsonl", start)
-
-  sampler = make_sampler(config.data, config.train.seed, config.model.vocab_size)
-  batch_of = lambda index: jax.device_put(sampler.batch(index, config.train.batch_size),
-                                          layout.batch)
+  if data_state is not None:
+    data.restore(data_state)
+  elif start:
+    log.warning("the checkpoint of step %d holds no input position; the data starts over", start)
   t0 = time.perf_counter()
   with layout.active():  # the model's sharding annotations read the layout while tracing
     step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
                       in_shardings=(spec.shardings, layout.batch),
                       out_shardings=(spec.shardings, layout.replicated),
-                      donate_argnums=0).lower(state, batch_of(next_batch)).compile()
+                      donate_argnums=0).lower(state, data.batch_spec()).compile()
+    eval_fn = (jax.jit(make_eval_step(spec.graphdef, config), out_shardings=layout.replicated)
+               if config.train.eval_every else None)
   log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
 
   tokens_per_step = config.train.batch_size * config.data.seq_len
@@ -80,17 +83,23 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
                          progress=progress and lead, write=lead)
   records, last_time, last_step = [], time.perf_counter(), start
   signals = StopSignals()
-  save = lambda step: checkpointer.save(step, state, {"next_batch": next_batch})
+  save = lambda step: checkpointer.save(step, state, data.state())
   try:
     with signals.installed():
       for step in range(start, config.train.steps):
-        state, metrics = step_fn(state, batch_of(next_batch))
-        done, next_batch = step + 1, next_batch + 1
-        if done % config.train.log_every == 0 or done in (start + 1, config.train.steps):
+        state, metrics = step_fn(state, data.next_batch())
+        done = step + 1
+        evaluate = config.train.eval_every and (done % config.train.eval_every == 0 or
+                                                done == config.train.steps)
+        if evaluate or done % config.train.log_every == 0 or done in (start + 1,
+                                                                      config.train.steps):
           record = summarize(jax.device_get(metrics), done)
           now = time.perf_counter()
           record["tokens_per_s"] = tokens_per_step * (done - last_step) / (now - last_time)
-          last_time, last_step = now, done
+          record.update(data.loader_stats())
+          if evaluate:
+            record["eval_loss"] = evaluation_loss(eval_fn, state, data.eval_batches())
+          last_time, last_step = time.perf_counter(), done
           writer.write(record)
           records.append(record)
         if config.checkpoint.every and done % config.checkpoint.every == 0:
@@ -102,20 +111,28 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
       save(config.train.steps)
       checkpointer.wait()
   finally:
+    data.close()
     writer.close()
     checkpointer.close()
   return records
 
 
+def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
+  """The mean next-token loss over every target of the held-out batches."""
+  results = jax.device_get([eval_fn(state.params, state.rest, batch) for batch in batches])
+  total = sum(float(count) for _, count in results)
+  return sum(float(loss) * float(count) for loss, count in results) / max(total, 1.0)
+
+
 def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
-                  ) -> tuple[int, TrainState, int]:
-  """(step, train state, index of the next batch): the workdir's latest readable checkpoint;
+                  ) -> tuple[int, TrainState, dict | None]:
+  """(step, train state, input position or None): the workdir's latest readable checkpoint;
   else fresh optimizer state on `checkpoint.load_params`' model, or on a new random model."""
   latest = checkpointer.restore_latest(spec.abstract, spec.shardings)
   if latest is not None:
     step, state, data = latest
     log.info("resuming from %s at step %d", checkpointer.directory / str(step), step)
-    return step, state, int(data.get("next_batch", step))
+    return step, state, data if data.get("streams") else None
   if config.checkpoint.load_params:
     from jmoe.checkpoint.params import read_variables
     abstract = nnx.merge_state(spec.abstract.params, spec.abstract.rest)
@@ -123,8 +140,8 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     variables = read_variables(config.checkpoint.load_params, abstract, shardings)
     log.info("starting from the model in %s", config.checkpoint.load_params)
     params, rest = nnx.split_state(variables, nnx.Param, ...)
-    return 0, spec.init_from(params, rest), 0
-  return 0, spec.init(), 0
+    return 0, spec.init_from(params, rest), None
+  return 0, spec.init(), None
 
 
 def drop_metrics_after(path: pathlib.Path, step: int) -> None:

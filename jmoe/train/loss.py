@@ -19,18 +19,35 @@ def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
   return jnp.sum(nll_BS if mask_BS is None else jnp.where(mask_BS, nll_BS, 0.0))
 
 
-def mtp_loss(mtp_logits_BKSV: jax.Array, tokens_BS1: jax.Array, num_sequences: int,
-             weight: float) -> jax.Array:
+def target_masks(tokens_BS1: jax.Array, segment_ids_BS1: jax.Array | None, depth: int
+                 ) -> tuple[jax.Array, jax.Array]:
+  """Which predictions count: ([B, S] for the next token, [B, depth, S] for MTP module k's token
+  k + 2 ahead). A target counts when it lies in the window, is not padding (segment 0), and
+  belongs to the same packed document as the input token."""
+  batch, seq = tokens_BS1.shape[0], tokens_BS1.shape[1] - 1
+  if segment_ids_BS1 is None:
+    segment_ids_BS1 = jnp.ones_like(tokens_BS1)
+  inputs_BS = segment_ids_BS1[:, :-1]
+
+  def same_document(ahead):  # target `ahead` places after each input
+    target_BS = jnp.pad(segment_ids_BS1[:, ahead:], ((0, 0), (0, ahead - 1)))[:, :seq]
+    return (inputs_BS > 0) & (target_BS == inputs_BS)
+
+  mtp_BKS = (jnp.stack([same_document(k + 2) for k in range(depth)], axis=1) if depth
+             else jnp.zeros((batch, 0, seq), bool))
+  return same_document(1), mtp_BKS
+
+
+def mtp_loss(mtp_logits_BKSV: jax.Array, tokens_BS1: jax.Array, mask_BKS: jax.Array,
+             count_K: jax.Array, weight: float) -> jax.Array:
   """Multi-token prediction: module k (0-based) at position i predicts token i + k + 2 of the
-  window; each module's loss is its mean over the `num_sequences` of the global batch, and the
-  result is `weight` times their mean."""
+  window. Each module's summed loss over the positions in `mask_BKS` is divided by `count_K[k]`
+  (its number of targets in the global batch); the result is `weight` times their mean."""
   depth, seq = mtp_logits_BKSV.shape[1], mtp_logits_BKSV.shape[2]
   total = 0.0
   for k in range(depth):
-    valid = seq - k - 1  # positions whose target lies inside the window
-    targets_BS = jnp.pad(tokens_BS1[:, k + 2:], ((0, 0), (0, seq - valid)))
-    mask_BS = jnp.broadcast_to(jnp.arange(seq) < valid, targets_BS.shape)
-    total += cross_entropy_sum(mtp_logits_BKSV[:, k], targets_BS, mask_BS) / (num_sequences * valid)
+    targets_BS = jnp.pad(tokens_BS1[:, k + 2:], ((0, 0), (0, k + 1)))[:, :seq]
+    total += cross_entropy_sum(mtp_logits_BKSV[:, k], targets_BS, mask_BKS[:, k]) / count_K[k]
   return weight * total / depth
 
 

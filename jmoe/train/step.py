@@ -10,34 +10,39 @@ import optax
 from flax import nnx
 
 from jmoe.config import Config
-from jmoe.train.loss import balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss
+from jmoe.train.loss import (balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss,
+                             target_masks)
 from jmoe.train.state import TrainState
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
-  """loss(params, rest, tokens_BS1, num_targets, num_micro, rng) -> (loss, metrics) for one
-  micro-batch.
+  """loss(params, rest, batch, counts, num_micro, rng) -> (loss, metrics) for one micro-batch.
 
-  The micro-batch's share of the global loss: its summed token losses over all targets of the
-  global batch, plus its balancing terms over the number of micro-batches. `rng` (or None) drives
-  training-time noise.
+  `batch` holds `tokens` [B, S + 1] and, for packed rows, `segment_ids` and `positions` alike.
+  The micro-batch's share of the global loss: its summed token losses over `counts` (the global
+  batch's number of targets: `lm` and, with MTP, `mtp` per module), plus its balancing terms over
+  the number of micro-batches. `rng` (or None) drives training-time noise.
   """
 
   depth = config.model.mtp_depth
 
-  def loss_fn(params, rest, tokens_BS1, num_targets, num_micro, rng=None):
+  def loss_fn(params, rest, batch, counts, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    inputs_BS = tokens_BS1[:, :-1]
+    tokens_BS1 = batch["tokens"]
+    segments_BS1, positions_BS1 = batch.get("segment_ids"), batch.get("positions")
+    inputs = dict(tokens_BS=tokens_BS1[:, :-1],
+                  positions_BS=None if positions_BS1 is None else positions_BS1[:, :-1],
+                  segment_ids_BS=None if segments_BS1 is None else segments_BS1[:, :-1])
+    lm_mask_BS, mtp_mask_BKS = target_masks(tokens_BS1, segments_BS1, depth)
     metrics = {}
     if depth:
-      logits_BSV, mtp_BKSV, stats = model.with_mtp(inputs_BS, mtp_inputs(tokens_BS1, depth),
-                                                   rng=rng)
-      num_sequences = num_targets // inputs_BS.shape[1]
-      metrics["mtp_loss"] = mtp_loss(mtp_BKSV, tokens_BS1, num_sequences,
+      logits_BSV, mtp_BKSV, stats = model.with_mtp(
+          next_tokens_BKS=mtp_inputs(tokens_BS1, depth), rng=rng, **inputs)
+      metrics["mtp_loss"] = mtp_loss(mtp_BKSV, tokens_BS1, mtp_mask_BKS, counts["mtp"],
                                      config.train.mtp_loss_weight)
     else:
-      logits_BSV, stats = model(inputs_BS, rng=rng)
-    lm_loss = cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:]) / num_targets
+      logits_BSV, stats = model(rng=rng, **inputs)
+    lm_loss = cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:], lm_mask_BS) / counts["lm"]
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
@@ -46,6 +51,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn
+
+
+def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
+  """The global batch's number of next-token targets and of each MTP module's targets."""
+  lm_BS, mtp_BKS = target_masks(batch["tokens"], batch.get("segment_ids"), depth)
+  # At least one, so that an all-padding batch gives a zero loss rather than NaN.
+  return {"lm": jnp.maximum(jnp.sum(lm_BS), 1).astype(jnp.float32),
+          "mtp": jnp.maximum(jnp.sum(mtp_BKS, axis=(0, 2)), 1).astype(jnp.float32)}
 
 
 def make_train_step(graphdef: nnx.GraphDef, config: Config,
@@ -59,26 +72,27 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
   step_key = jax.random.key(config.train.seed + 1)  # training noise; distinct from the init key
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    tokens_BS1 = batch["tokens"]
-    num_targets = tokens_BS1.shape[0] * (tokens_BS1.shape[1] - 1)
+    counts = target_counts(batch, config.model.mtp_depth)
     rng = jax.random.fold_in(step_key, state.step)
 
-    def one(tokens, index):
-      (loss, metrics), grads = grad_fn(state.params, state.rest, tokens, num_targets, num_micro,
+    def one(micro_batch, index):
+      (loss, metrics), grads = grad_fn(state.params, state.rest, micro_batch, counts, num_micro,
                                        jax.random.fold_in(rng, index))
       return grads, {"loss": loss, **metrics}
 
     if num_micro == 1:
-      grads, metrics = one(tokens_BS1, 0)
+      grads, metrics = one(batch, 0)
     else:
-      tokens_MBS1 = tokens_BS1.reshape(num_micro, micro, -1)
+      micro_batches = jax.tree.map(lambda x: x.reshape(num_micro, micro, *x.shape[1:]), batch)
 
       def accumulate(carry, xs):
         grads, metrics = one(*xs)
         return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
-      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(one, tokens_MBS1[0], 0))
-      (grads, metrics), _ = jax.lax.scan(accumulate, zeros, (tokens_MBS1, jnp.arange(num_micro)))
+      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+          one, jax.tree.map(lambda x: x[0], micro_batches), 0))
+      (grads, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                         (micro_batches, jnp.arange(num_micro)))
 
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)
@@ -93,3 +107,15 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     return new_state, metrics
 
   return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, config: Config) -> Callable:
+  """eval(params, rest, batch) -> (mean next-token loss, number of targets), no noise."""
+  loss_fn = make_loss_fn(graphdef, config)
+
+  def eval_step(params, rest, batch):
+    counts = target_counts(batch, config.model.mtp_depth)
+    _, metrics = loss_fn(params, rest, batch, counts, 1)
+    return metrics["lm_loss"], counts["lm"]
+
+  return eval_step

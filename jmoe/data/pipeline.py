@@ -1,0 +1,283 @@
+"""The input pipeline: documents -> packed rows -> global batches on the devices, resumable.
+
+Row r of every global batch (r < train.batch_size) comes from its own stream: the documents at
+positions r, r + B, r + 2B, ... of the (mixed, shuffled, repeated) document order, packed into
+rows of seq_len + 1 tokens by Grain. A process builds only the streams of the rows its devices
+hold, so it reads only its share of the data, and the global batch is the same whatever the
+number of processes. Each stream's Grain iterator state is a few integers; all of them together
+are the input position saved with each checkpoint, and resuming restores them, so a resumed run
+reads exactly the batches the uninterrupted run would have read.
+
+A batch is a dict of int32 [rows, seq_len + 1] arrays: `tokens`, `segment_ids` (1, 2, ... for
+the documents of a row; 0 for padding) and `positions` (each token's place in its document).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import grain
+import jax
+import numpy as np
+from grain.experimental import ConcatThenSplitIterDataset
+from jax.experimental import multihost_utils
+
+from jmoe.config import Config, ConfigError, DataConfig
+from jmoe.data.sources import open_entry, parse_sources, split
+from jmoe.data.tokenizer import load_tokenizer
+from jmoe.parallel import Layout
+
+log = logging.getLogger("jmoe")
+KEYS = ("tokens", "segment_ids", "positions")
+
+
+def open_documents(cfg: DataConfig, vocab_size: int):
+  """(tokenizer, [(train source, held-out source or None, weight)]) for `data.source`."""
+  tokenizer = load_tokenizer(cfg, vocab_size)
+  parts = []
+  for entry in parse_sources(cfg.source):
+    train, held = split(open_entry(entry, cfg, tokenizer, vocab_size), cfg.eval_fraction)
+    parts.append((train, held, entry.weight))
+  return tokenizer, parts
+
+
+def document_order(sources: list, weights: list[float], seed: int, shuffle: bool,
+                   epochs: int | None) -> grain.MapDataset:
+  """All documents in training order: each source shuffled anew every epoch, sources mixed by
+  weight (`epochs=None`: endless)."""
+  datasets = []
+  for i, source in enumerate(sources):
+    ds = grain.MapDataset.source(source)
+    if shuffle:
+      ds = ds.shuffle(seed=(seed * 1_000_003 + i) % 2**32)
+    datasets.append(ds.repeat(epochs))
+  return datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, weights)
+
+
+def _pad_row(width: int):
+  def pad(element):
+    tokens = element["tokens"][:width]
+    out = {key: np.zeros(width, np.int32) for key in KEYS}
+    out["tokens"][:tokens.size] = tokens
+    out["segment_ids"][:tokens.size] = 1
+    out["positions"][:tokens.size] = np.arange(tokens.size)
+    return out
+  return pad
+
+
+def row_stream(documents: grain.MapDataset, row: int, num_rows: int, width: int,
+               packing: str) -> grain.IterDataset:
+  """The rows (dicts of `KEYS`, `width` tokens each) that batch row `row` takes, in order."""
+  docs = documents[row::num_rows].map(lambda ids: {"tokens": ids})
+  # One reading thread per stream: a process has many streams, and one thread fills batches.
+  stream = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  if packing == "none":
+    return stream.map(_pad_row(width))
+  packed = ConcatThenSplitIterDataset(stream, length_struct={"tokens": width})
+  return packed.map(lambda e: {"tokens": e["tokens"], "segment_ids": e["tokens_segment_ids"],
+                               "positions": e["tokens_positions"]})
+
+
+class Batches:
+  """This process's rows of each global batch: one Grain stream per row. With finite documents
+  (evaluation), a finished stream gives padding rows (segment 0) from then on, so that every
+  process makes the same number of batches; `finished` says when all of this process's have."""
+
+  def __init__(self, documents: grain.MapDataset, rows: list[int], num_rows: int, width: int,
+               packing: str):
+    self.rows, self.width = list(rows), width
+    self._streams = {row: iter(row_stream(documents, row, num_rows, width, packing))
+                     for row in self.rows}
+    self._done: set[int] = set()
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    out = []
+    for row in self.rows:
+      try:
+        out.append(next(self._streams[row]) if row not in self._done else None)
+      except StopIteration:
+        self._done.add(row)
+        out.append(None)
+    empty = {key: np.zeros(self.width, np.int32) for key in KEYS}
+    return {key: np.stack([np.asarray((e or empty)[key], np.int32) for e in out])
+            for key in KEYS}
+
+  @property
+  def finished(self) -> bool:
+    return len(self._done) == len(self.rows)
+
+  def get_state(self) -> dict[str, Any]:
+    return {str(row): self._streams[row].get_state() for row in self.rows}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    missing = [row for row in self.rows if str(row) not in state]
+    if missing:
+      raise ConfigError(f"the saved input position has no stream for batch rows {missing[:4]}: "
+                        f"it was saved with another train.batch_size")
+    for row in self.rows:
+      self._streams[row].set_state(state[str(row)])
+
+
+class Prefetcher:
+  """Prepares the next `depth` batches in a background thread. `state` is the input position
+  after the last batch handed out; `tokens_per_s` is the loader's own speed."""
+
+  def __init__(self, batches: Batches, depth: int):
+    self._batches, self._depth = batches, depth
+    self.state = batches.get_state()
+    self._queue: queue.Queue = queue.Queue(maxsize=max(depth, 1))
+    self._thread: threading.Thread | None = None
+    self._stop = threading.Event()
+    self._busy_s, self._tokens = 0.0, 0
+    self.wait_s = 0.0  # time the consumer waited for batches
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    assert self._thread is None, "set the state before the first batch"
+    self._batches.set_state(state)
+    self.state = self._batches.get_state()
+
+  def _produce(self) -> None:
+    try:
+      while not self._stop.is_set():
+        t0 = time.perf_counter()
+        batch = next(self._batches)
+        item = (batch, self._batches.get_state(), time.perf_counter() - t0)
+        while not self._stop.is_set():
+          try:
+            self._queue.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            pass
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
+      self._queue.put((e, None, 0.0))
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    if self._depth == 0:
+      t0 = time.perf_counter()
+      batch = next(self._batches)
+      elapsed = time.perf_counter() - t0
+      state = self._batches.get_state()
+      self.wait_s += elapsed
+    else:
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._produce, daemon=True, name="jmoe-data")
+        self._thread.start()
+      t0 = time.perf_counter()
+      batch, state, elapsed = self._queue.get()
+      self.wait_s += time.perf_counter() - t0
+      if isinstance(batch, BaseException):
+        raise batch
+    self.state = state
+    self._busy_s += elapsed
+    self._tokens += batch["tokens"].size
+    return batch
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self._tokens / self._busy_s if self._busy_s else 0.0
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5)
+
+
+def local_rows(layout: Layout, batch_size: int, width: int) -> list[int]:
+  """The batch rows held by this process's devices."""
+  rows = set()
+  for index in layout.batch.addressable_devices_indices_map((batch_size, width)).values():
+    rows.update(range(*index[0].indices(batch_size)))
+  return sorted(rows)
+
+
+def gather_state(local: dict[str, Any]) -> dict[str, Any]:
+  """Every process's stream states, merged (a collective: all processes call it together)."""
+  if jax.process_count() == 1:
+    return dict(local)
+  data = np.frombuffer(json.dumps(local).encode(), np.uint8)
+  sizes = multihost_utils.process_allgather(np.array([data.size], np.int64))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:data.size] = data
+  merged = {}
+  for size, row in zip(sizes.reshape(-1), multihost_utils.process_allgather(padded)):
+    merged.update(json.loads(row[:int(size)].tobytes()))
+  return merged
+
+
+class DataPipeline:
+  """Training batches (and held-out evaluation batches) for one process, as global arrays."""
+
+  def __init__(self, config: Config, layout: Layout, rows: list[int] | None = None):
+    cfg = config.data
+    self.config, self.layout = config, layout
+    self.batch_size, self.width = config.train.batch_size, cfg.seq_len + 1
+    self.tokenizer, parts = open_documents(cfg, config.model.vocab_size)
+    self.rows = local_rows(layout, self.batch_size, self.width) if rows is None else rows
+    self._position = {row: i for i, row in enumerate(self.rows)}
+    train = document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
+                           cfg.shuffle, None)
+    self._loader = Prefetcher(Batches(train, self.rows, self.batch_size, self.width, cfg.packing),
+                              cfg.prefetch)
+    held = [p[1] for p in parts if p[1] is not None]
+    self._held = (grain.MapDataset.concatenate([grain.MapDataset.source(s) for s in held])
+                  if held else None)
+    self._eval: list[dict[str, jax.Array]] | None = None
+
+  def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
+    return {key: jax.ShapeDtypeStruct((self.batch_size, self.width), np.int32,
+                                      sharding=self.layout.batch) for key in KEYS}
+
+  def _global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    def one(array):
+      return jax.make_array_from_callback(
+          (self.batch_size, self.width), self.layout.batch,
+          lambda index: array[[self._position[r]
+                               for r in range(*index[0].indices(self.batch_size))]][:, index[1]])
+    return {key: one(local[key]) for key in KEYS}
+
+  def next_batch(self) -> dict[str, jax.Array]:
+    return self._global(next(self._loader))
+
+  def state(self) -> dict[str, Any]:
+    """The input position after the last batch (all processes': call on every process)."""
+    return {"streams": gather_state(self._loader.state)}
+
+  def restore(self, state: dict[str, Any]) -> None:
+    self._loader.set_state(state["streams"])
+
+  def eval_batches(self) -> list[dict[str, jax.Array]]:
+    """The held-out batches (the first data.eval_batches of them), the same at every call."""
+    if self._held is None:
+      raise ConfigError("evaluation needs held-out documents: set data.eval_fraction")
+    if self._eval is None:
+      batches = Batches(self._held, self.rows, self.batch_size, self.width, self.config.data.packing)
+      self._eval = [self._global(b) for _, b in zip(range(self.config.data.eval_batches), batches)]
+    return self._eval
+
+  def loader_stats(self) -> dict[str, float]:
+    """The loader's own tokens/s (this process) and the seconds training waited for it since
+    the last call."""
+    stats = {"loader_tokens_per_s": self._loader.tokens_per_s, "loader_wait_s": self._loader.wait_s}
+    self._loader.wait_s = 0.0
+    return stats
+
+  def close(self) -> None:
+    self._loader.close()
+
+
+def first_batches(config: Config, count: int = 1) -> list[dict[str, np.ndarray]]:
+  """The first `count` global training batches as numpy arrays (all rows, in one process)."""
+  _, parts = open_documents(config.data, config.model.vocab_size)
+  order = document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
+                         config.data.shuffle, None)
+  batches = Batches(order, list(range(config.train.batch_size)), config.train.batch_size,
+                    config.data.seq_len + 1, config.data.packing)
+  return [next(batches) for _ in range(count)]

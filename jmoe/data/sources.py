@@ -1,0 +1,277 @@
+"""Document sources: random access to tokenized documents, each closed by the end-of-document id.
+
+A source is what `grain.MapDataset.source` takes: `len(source)` documents, `source[i]` the i-th as
+int32 token ids. Raw text is tokenized when a document is read; token shards written by
+`python -m jmoe.data.prepare` are read straight from memory-mapped files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import pathlib
+import sysconfig
+
+import numpy as np
+
+from jmoe.config import ConfigError, DataConfig
+
+KINDS = ("text", "jsonl", "parquet", "tokens")
+SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+TOKENS_INDEX = "index.json"  # what marks a directory of token shards
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+
+
+class Tokenized:
+  """Documents from `texts` (random access to str/bytes), tokenized when read."""
+
+  def __init__(self, texts, tokenizer, name: str):
+    self._texts, self._tokenizer, self.name = texts, tokenizer, name
+
+  def __len__(self) -> int:
+    return len(self._texts)
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    ids = self._tokenizer.encode(self._texts[index])
+    return np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)])
+
+
+class FileTexts:
+  """Each file one document."""
+
+  def __init__(self, paths: list[pathlib.Path]):
+    self.paths = paths
+
+  def __len__(self) -> int:
+    return len(self.paths)
+
+  def __getitem__(self, index: int) -> bytes:
+    return self.paths[index].read_bytes()
+
+
+class JsonlTexts:
+  """Each line of the files a JSON object whose `key` field is a document."""
+
+  def __init__(self, paths: list[pathlib.Path], key: str):
+    self.key = key
+    self._files, self._offsets = list(paths), []  # (file number, byte offset) of each line
+    for number, path in enumerate(paths):
+      start = 0
+      with open(path, "rb") as f:
+        for line in f:
+          if line.strip():
+            self._offsets.append((number, start))
+          start += len(line)
+
+  def __len__(self) -> int:
+    return len(self._offsets)
+
+  def __getitem__(self, index: int) -> str:
+    number, start = self._offsets[index]
+    path = self._files[number]
+    with open(path, "rb") as f:
+      f.seek(start)
+      line = f.readline()
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e})") from e
+    if not isinstance(record, dict) or not isinstance(record.get(self.key), str):
+      raise ConfigError(f"{path}: the line at byte {start} has no text field {self.key!r} "
+                        f"(set data.text_key)")
+    return record[self.key]
+
+
+class ParquetTexts:
+  """The `key` column of Parquet files, a row per document, read a row group at a time."""
+
+  def __init__(self, paths: list[pathlib.Path], key: str):
+    try:
+      import pyarrow.parquet as pq
+    except ImportError as e:
+      raise ConfigError("reading Parquet files needs pyarrow: pip install 'jmoe[parquet]'") from e
+    self.key = key
+    self._groups = []  # (path, row group, first row)
+    total = 0
+    for path in paths:
+      meta = pq.ParquetFile(path)
+      if key not in meta.schema_arrow.names:
+        raise ConfigError(f"{path} has no column {key!r} (its columns: "
+                          f"{meta.schema_arrow.names}); set data.text_key")
+      for group in range(meta.num_row_groups):
+        self._groups.append((path, group, total))
+        total += meta.metadata.row_group(group).num_rows
+    self._total = total
+    self._starts = np.array([g[2] for g in self._groups], np.int64)
+    self._cached = (None, None)
+
+  def __len__(self) -> int:
+    return self._total
+
+  def __getitem__(self, index: int) -> str:
+    import pyarrow.parquet as pq
+    number = int(np.searchsorted(self._starts, index, side="right")) - 1
+    path, group, first = self._groups[number]
+    if self._cached[0] != number:
+      table = pq.ParquetFile(path).read_row_group(group, columns=[self.key])
+      self._cached = (number, table.column(0).to_pylist())
+    return self._cached[1][index - first] or ""
+
+
+class TokenShards:
+  """A directory written by `python -m jmoe.data.prepare`: shards of concatenated token ids
+  (`*.bin`) with the document boundaries (`*.idx.npy`), described by `index.json`."""
+
+  def __init__(self, directory: pathlib.Path, vocab_size: int, tokenizer):
+    self.name = str(directory)
+    index = json.loads((directory / TOKENS_INDEX).read_text())
+    if index["max_id"] >= vocab_size:
+      raise ConfigError(f"{directory} holds token id {index['max_id']}, beyond the model's "
+                        f"vocabulary (model.vocab_size {vocab_size}); it was prepared with "
+                        f"another tokenizer")
+    if index["tokenizer"] != tokenizer.fingerprint:
+      raise ConfigError(f"{directory} was prepared with tokenizer {index['tokenizer']!r}, but "
+                        f"data.tokenizer is {tokenizer.fingerprint!r}; use the same tokenizer")
+    self._tokens, self._bounds = [], []
+    for shard in index["shards"]:
+      self._tokens.append(np.memmap(directory / shard["file"], dtype=index["dtype"], mode="r"))
+      self._bounds.append(np.load(directory / shard["bounds"], mmap_mode="r"))
+    self._first = np.cumsum([0] + [len(b) - 1 for b in self._bounds])
+
+  def __len__(self) -> int:
+    return int(self._first[-1])
+
+  def __getitem__(self, index: int) -> np.ndarray:
+    shard = int(np.searchsorted(self._first, index, side="right")) - 1
+    bounds, i = self._bounds[shard], index - self._first[shard]
+    return np.asarray(self._tokens[shard][bounds[i]:bounds[i + 1]], np.int32)
+
+
+class Subset:
+  """The documents of `source` at `indices` (the train or the held-out part of a source)."""
+
+  def __init__(self, source, indices: np.ndarray):
+    self._source, self._indices = source, indices
+    self.name = source.name
+
+  def __len__(self) -> int:
+    return len(self._indices)
+
+  def __getitem__(self, index: int):
+    return self._source[int(self._indices[index])]
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+  kind: str  # stdlib or one of KINDS
+  paths: tuple[pathlib.Path, ...]
+  weight: float
+  text: str  # as written in data.source
+
+
+def parse_sources(spec: str) -> list[Entry]:
+  """`data.source` -> its entries, each with the files it names; errors name what is missing."""
+  entries = []
+  for text in (part.strip() for part in spec.split(",")):
+    if not text:
+      continue
+    body, weight = text, 1.0
+    if "@" in text:
+      body, raw = text.rsplit("@", 1)
+      try:
+        weight = float(raw)
+      except ValueError:
+        raise ConfigError(f"data.source entry {text!r}: the weight after @ must be a number")
+      if weight <= 0:
+        raise ConfigError(f"data.source entry {text!r}: the weight must be positive")
+    if body == "stdlib":
+      entries.append(Entry("stdlib", (), weight, text))
+      continue
+    kind = None
+    if ":" in body and body.split(":", 1)[0] in KINDS:
+      kind, body = body.split(":", 1)
+    entries.append(_resolve(body, kind, weight, text))
+  if not entries:
+    raise ConfigError("data.source names no source")
+  return entries
+
+
+def _resolve(pattern: str, kind: str | None, weight: float, text: str) -> Entry:
+  path = pathlib.Path(pattern).expanduser()
+  if path.is_dir() and (path / TOKENS_INDEX).is_file():
+    if kind not in (None, "tokens"):
+      raise ConfigError(f"data.source entry {text!r}: {path} holds token shards, not {kind}")
+    return Entry("tokens", (path,), weight, text)
+  if kind == "tokens":
+    raise ConfigError(f"data.source entry {text!r}: {path} has no {TOKENS_INDEX}; write token "
+                      f"shards with `python -m jmoe.data.prepare`")
+  if path.is_dir():
+    files = sorted(p for p in path.rglob("*") if p.is_file() and
+                   (p.suffix in SUFFIXES if kind is None else SUFFIXES.get(p.suffix) == kind))
+  elif any(c in pattern for c in "*?["):
+    files = sorted(pathlib.Path(p) for p in glob.glob(pattern, recursive=True)
+                   if pathlib.Path(p).is_file())
+  elif path.is_file():
+    files = [path]
+  else:
+    raise ConfigError(f"data.source entry {text!r}: {path} does not exist")
+  if not files:
+    raise ConfigError(f"data.source entry {text!r}: {path} contains no "
+                      f"{'/'.join(SUFFIXES) if kind is None else kind} files")
+  kinds = {kind or SUFFIXES.get(p.suffix, "text") for p in files}
+  if len(kinds) > 1:
+    raise ConfigError(f"data.source entry {text!r} mixes {sorted(kinds)} files; give each "
+                      f"kind its own entry (e.g. jsonl:DIR/*.jsonl)")
+  for file in files:
+    if file.stat().st_size == 0:
+      raise ConfigError(f"data.source: {file} is empty")
+  return Entry(kinds.pop(), tuple(files), weight, text)
+
+
+def stdlib_files(max_bytes: int) -> list[pathlib.Path]:
+  """The standard library's .py files in a fixed order, up to about `max_bytes` in total."""
+  root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+  files, total = [], 0
+  for path in sorted(root.rglob("*.py")):
+    if _STDLIB_SKIP.intersection(path.relative_to(root).parts):
+      continue
+    size = path.stat().st_size
+    if size == 0 or not path.read_bytes().strip():
+      continue
+    files.append(path)
+    total += size
+    if total >= max_bytes:
+      break
+  return files
+
+
+def open_entry(entry: Entry, cfg: DataConfig, tokenizer, vocab_size: int):
+  """The document source of one `data.source` entry."""
+  if entry.kind == "tokens":
+    return TokenShards(entry.paths[0], vocab_size, tokenizer)
+  if entry.kind == "stdlib":
+    texts = FileTexts(stdlib_files(cfg.max_corpus_bytes))
+  elif entry.kind == "text":
+    texts = FileTexts(list(entry.paths))
+  elif entry.kind == "jsonl":
+    texts = JsonlTexts(list(entry.paths), cfg.text_key)
+  else:
+    texts = ParquetTexts(list(entry.paths), cfg.text_key)
+  if not len(texts):
+    raise ConfigError(f"data.source entry {entry.text!r} holds no documents")
+  return Tokenized(texts, tokenizer, entry.text)
+
+
+def split(source, eval_fraction: float):
+  """(train part, held-out part or None): every round(1 / eval_fraction)-th document is held out,
+  so both parts sample the whole source."""
+  if not eval_fraction:
+    return source, None
+  every = max(2, round(1 / eval_fraction))
+  indices = np.arange(len(source))
+  held = indices % every == every - 1
+  if not held.any():
+    raise ConfigError(f"data.source entry {source.name!r} has {len(source)} documents, too few "
+                      f"to hold out a {eval_fraction} share")
+  return Subset(source, indices[~held]), Subset(source, indices[held])
