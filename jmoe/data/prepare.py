@@ -90,9 +90,8 @@ def prepare(source: str, out: str | pathlib.Path, tokenizer_path: str = "",
   t0 = time.perf_counter()
   try:
     for entry in entries:
-      documents = open_entry(entry, cfg, tokenizer, vocab_size=1 << 31)
-      for i in range(len(documents)):
-        writer.add(documents[i])
+      for ids in open_entry(entry, cfg, tokenizer, vocab_size=1 << 31).in_order():
+        writer.add(ids)
     writer.finish()
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
