@@ -88,3 +88,9 @@ def test_override_keys_the_file_leaves_at_default():
   assert config.moe.router.jitter == 0.1 and config.moe.capacity_factor == 1.25
   assert config.moe.balance.aux_loss_type == "seq"
   assert load_config(TINY_FILE, ["--config.moe.capacity_factor=None"]).moe.capacity_factor is None
+
+
+def test_remat_names_are_the_ones_the_model_has():
+  from jmoe.config.validate import REMAT_POLICIES as names
+  from jmoe.model.stack import REMAT_POLICIES
+  assert set(names) == set(REMAT_POLICIES)

@@ -56,7 +56,8 @@ def test_router_stats_per_moe_layer():
   np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
 
 
-def test_full_remat_equals_no_remat():
+@pytest.mark.parametrize("remat", ["full", "attention_moe_experts"])
+def test_remat_equals_no_remat(remat):
   def loss_and_grads(remat):
     model = model_factory(tiny_config(train=dict(remat=remat)))()
 
@@ -66,7 +67,7 @@ def test_full_remat_equals_no_remat():
 
     return nnx.value_and_grad(loss)(model)
 
-  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads("full")
+  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads(remat)
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -11,6 +11,9 @@ from jmoe.moe import GEMM_BACKENDS, MoE, combine, dispatch, grouped_gemm, route
 
 D, E, F, T = 16, 8, 12, 40
 
+# tokamax's kernel runs on NVIDIA GPUs only; scripts/check_gpu.py holds it to the same loop there.
+PORTABLE_BACKENDS = sorted(set(GEMM_BACKENDS) - {"tokamax"})
+
 
 def reference_moe(x_TD, router_DE, w_in_ED2F, w_out_EFD, top_k, norm_topk_prob):
   """Per-expert loop: each expert applied to exactly the tokens that chose it."""
@@ -41,7 +44,7 @@ def x_input(seed=0):
   return jnp.abs(jax.random.normal(jax.random.key(seed), (1, T, D)))
 
 
-@pytest.mark.parametrize("gemm", sorted(GEMM_BACKENDS))
+@pytest.mark.parametrize("gemm", PORTABLE_BACKENDS)
 @pytest.mark.parametrize("top_k, norm, starve", [(2, True, ()), (1, True, ()), (3, False, (2, 5)),
                                                  (8, True, ())])
 def test_layer_matches_per_expert_loop(gemm, top_k, norm, starve):
@@ -74,7 +77,7 @@ def test_layer_matches_per_expert_loop(gemm, top_k, norm, starve):
     assert np.all(np.asarray(g_ours[0]["w_in_ED2F"][...])[list(starve)] == 0)
 
 
-@pytest.mark.parametrize("gemm", sorted(GEMM_BACKENDS))
+@pytest.mark.parametrize("gemm", PORTABLE_BACKENDS)
 def test_grouped_gemm_against_loop(gemm):
   rng = np.random.default_rng(0)
   sizes = np.array([3, 0, 5, 1, 0, 7, 2, 2], np.int32)  # 20 rows used of 24: 4 rows belong to none
@@ -145,7 +148,7 @@ def test_aux_loss_is_one_when_scores_are_uniform():
   np.testing.assert_allclose(r.stats.aux_loss, 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("gemm", sorted(GEMM_BACKENDS))
+@pytest.mark.parametrize("gemm", PORTABLE_BACKENDS)
 def test_biased_clamped_experts_match_per_expert_loop(gemm):
   """GPT-OSS experts: biases on both projections, clamped SwiGLU, softmax over the top-k logits."""
   cfg = MoEConfig(num_experts=E, top_k=2, d_ff_expert=F, gemm=gemm, expert_bias=True,

@@ -3,6 +3,7 @@
 import pathlib
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -48,3 +49,10 @@ def test_parameter_counts_match_published(name):
 def test_tiny_presets_load(name):
   config = load_config(ROOT / "configs" / name)
   assert config.moe.num_experts % 8 == 0 and config.train.batch_size % 8 == 0
+
+
+def test_model_flops_match_the_published_count():
+  # NeMo AutoModel states 23.0 GFLOP per token for Qwen3-30B-A3B at sequence length 4096.
+  from jmoe.train.flops import model_flops_per_token
+  config = load_config(ROOT / "configs" / "qwen3_30b_a3b.py", ["data.seq_len=4096"])
+  np.testing.assert_allclose(model_flops_per_token(config), 23.0e9, rtol=0.005)

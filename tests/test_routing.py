@@ -243,3 +243,10 @@ def test_jitter_only_with_a_key():
   y2, _ = layer(x, rng=jax.random.key(3))
   np.testing.assert_array_equal(y0, y1)
   assert not np.allclose(y0, y2)
+
+
+def test_forced_balanced_routing_loads_every_expert_equally():
+  logits = jax.random.normal(jax.random.key(0), (64, 8))
+  routing = route(logits, RouterConfig(force_balanced=True), 2)
+  np.testing.assert_allclose(routing.stats.load_E, np.full(8, 1 / 8))
+  assert all(len(set(row)) == 2 for row in np.asarray(routing.expert_ids_TK))

@@ -51,7 +51,7 @@ def check_upcyclable(dense: Config, moe: Config) -> int:
     raise ConfigError("upcycling does not handle multi-token prediction modules: set "
                       "model.mtp_depth=0 (add them later by training)")
   a, b = to_dict(dense.model), to_dict(moe.model)
-  differ = [key for key in a if key != "family" and a[key] != b[key]]
+  differ = [key for key in a if key not in ("family", "attention_kernel") and a[key] != b[key]]
   if differ:
     raise ConfigError("the MoE config's model must match the dense checkpoint's except for its "
                       "MoE layers; these differ: " + ", ".join(

@@ -47,6 +47,8 @@ class ModelConfig:
   tie_embeddings: bool = False
   init_std: float = 0.02
   attention: str = "gqa"  # gqa (grouped-query) | mla (multi-head latent, see `mla`)
+  # auto: cuDNN's fused attention on GPUs for bf16/fp16, XLA's elsewhere | cudnn | xla
+  attention_kernel: str = "auto"
   mla: MLAConfig = field(default_factory=MLAConfig)
   yarn: YarnConfig = field(default_factory=YarnConfig)
   qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
@@ -71,6 +73,9 @@ class RouterConfig:
   topk_groups: int = 1  # ... and each token chooses among its this-many best groups
   bias: bool = False  # a learned bias on the router logits (GPT-OSS)
   jitter: float = 0.0  # during training, router inputs times uniform noise in [1-j, 1+j]
+  # Benchmarks only: token t takes experts (t*k + j) mod E, every expert the same load (the
+  # "forced balanced gate" that published MoE speeds use); weights stay the router's.
+  force_balanced: bool = False
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ class MoEConfig:
   capacity_factor: float | None = None  # None or 0: dropless; else each expert takes at most
   # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
   drop_policy: str = "probability"  # which copies stay under a capacity: probability | position
-  gemm: str = "auto"  # grouped GEMM backend: auto | ragged_dot | dense
+  gemm: str = "auto"  # grouped GEMM backend: auto (tokamax on GPU) | tokamax | ragged_dot | dense
   activation: str = "swiglu"  # swiglu | clamped_swiglu (GPT-OSS: clamped, scaled gate, up + 1)
   swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
   swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
@@ -145,7 +150,9 @@ class TrainConfig:
   mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
   eval_every: int = 0  # steps between evaluations on the held-out split (0: none)
-  remat: str = "none"  # none | full
+  # What the backward pass recomputes (jmoe/model/stack.py): none | full | dots | attention |
+  # attention_moe | attention_moe_experts | offload_attention_moe
+  remat: str = "none"
 
 
 @dataclass(frozen=True)

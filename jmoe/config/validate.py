@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from jmoe.config.schema import Config
 
-GEMM_BACKENDS = ("auto", "ragged_dot", "dense")
+GEMM_BACKENDS = ("auto", "tokamax", "ragged_dot", "dense")
 DISPATCHERS = ("allgather", "alltoall")
 ROUTER_SCORES = ("softmax", "softmax_topk", "sigmoid")
 AUX_LOSS_TYPES = ("global", "micro_batch", "seq")
 DROP_POLICIES = ("probability", "position")
-REMAT_POLICIES = ("none", "full")
+REMAT_POLICIES = ("none", "full", "dots", "attention", "attention_moe", "attention_moe_experts",
+                  "offload_attention_moe")  # as jmoe/model/stack.py defines them
 DTYPES = ("float32", "bfloat16")
 PACKINGS = ("concat", "none")
 FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 ATTENTIONS = ("gqa", "mla")
+ATTENTION_KERNELS = ("auto", "cudnn", "xla")
 
 
 class ConfigError(ValueError):
@@ -54,6 +56,7 @@ def _model(config: Config):
     yield "model.sliding_window, model.full_attention_every and model.mtp_depth must be >= 0"
   yield from _one_of("model.family", m.family, FAMILIES)
   yield from _one_of("model.attention", m.attention, ATTENTIONS)
+  yield from _one_of("model.attention_kernel", m.attention_kernel, ATTENTION_KERNELS)
   if m.attention == "mla":
     yield from _positive("model.mla", m.mla, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                          "v_head_dim")

@@ -1,16 +1,21 @@
 """Causal grouped-query attention with rotary embeddings.
 
-The kernel is `jax.nn.dot_product_attention` with its default implementation (XLA's; cuDNN's fused
-kernel must be asked for by name, which the GPU-speed work will do where it applies). Options
-(config): QK-norm, sliding windows (on every layer, or alternating with full attention), projection
-biases, and attention sinks.
+The kernel is `jax.nn.dot_product_attention`: cuDNN's fused kernel on GPUs (`model.attention_kernel`
+auto or cudnn; a mask, for packed documents or alternating windows, and the sinks reach it as a
+bias), XLA's elsewhere or when cuDNN refuses a case (logged once). Options (config): QK-norm,
+sliding windows (on every layer, or alternating with full attention), projection biases, and
+attention sinks.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
 from jmoe.model.layers import RMSNorm, param
@@ -20,6 +25,27 @@ from jmoe.parallel import constrain
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
 KV_AXES = ("act_batch", None, "act_kv_heads", None)
+log = logging.getLogger("jmoe")
+
+
+@functools.cache
+def _refused(reason: str) -> None:
+  log.warning("cuDNN attention refused a case (%s); it runs through XLA's attention", reason)
+
+
+def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.Array:
+  """`jax.nn.dot_product_attention` through the kernel `kernel` asks for: cudnn, xla, or auto
+  (cuDNN on GPUs for 16-bit inputs, else XLA)."""
+  if kernel == "auto":
+    gpu_16bit = jax.default_backend() == "gpu" and q_BSHA.dtype in (jnp.bfloat16, jnp.float16)
+    kernel = "cudnn" if gpu_16bit else "xla"
+  if kernel == "cudnn":
+    try:
+      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="cudnn",
+                                          **kwargs)
+    except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
+      _refused(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+  return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="xla", **kwargs)
 
 
 def same_document(segment_ids_BS: jax.Array) -> jax.Array:
@@ -64,21 +90,22 @@ class Attention(nnx.Module):
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
     k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, cfg.rope_theta, cfg.yarn), KV_AXES)
     v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS)
+    out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
+                               "attention_out")
     out_BSD = jnp.einsum("bsha,had->bsd", constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt))
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:
     cfg = self.cfg
-    kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn))
+    kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn), kernel=cfg.attention_kernel)
     windowed_here = bool(cfg.sliding_window)
     if cfg.sliding_window and cfg.full_attention_every:  # this layer's window: by its index
       windowed_here = (layer % cfg.full_attention_every) != cfg.full_attention_every - 1
     if self.sinks_H is None and not cfg.full_attention_every and segment_ids_BS is None:
       # The kernel builds the mask.
       window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self
-      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True,
-                                          local_window_size=window, **kwargs)
+      return attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True, local_window_size=window,
+                       **kwargs)
     seq = q_BSHA.shape[1]
     distance_SS = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
     in_window_SS = distance_SS < max(cfg.sliding_window, 1)
@@ -86,12 +113,11 @@ class Attention(nnx.Module):
     if segment_ids_BS is not None:
       allowed_11SS = allowed_11SS & same_document(segment_ids_BS)  # now [B, 1, S, S]
     if self.sinks_H is None:
-      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_11SS, **kwargs)
+      return attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_11SS, **kwargs)
     # A sink is one more key that every query sees, whose logit is the head's learned sink and
     # whose value is zero: it only adds exp(sink) to each softmax denominator.
     pad = lambda t: jnp.pad(t, ((0, 0), (1, 0), (0, 0), (0, 0)))
     mask_11SS = jnp.pad(allowed_11SS, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=True)
     bias_1H1S = jnp.zeros((1, q_BSHA.shape[2], 1, seq + 1), q_BSHA.dtype).at[:, :, 0, 0].set(
         self.sinks_H[...].astype(q_BSHA.dtype))
-    return jax.nn.dot_product_attention(q_BSHA, pad(k_BSGA), pad(v_BSGA), bias=bias_1H1S,
-                                        mask=mask_11SS, **kwargs)
+    return attention(q_BSHA, pad(k_BSGA), pad(v_BSGA), bias=bias_1H1S, mask=mask_11SS, **kwargs)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
-from jmoe.model.attention import KV_AXES, Q_AXES, same_document
+from jmoe.model.attention import KV_AXES, Q_AXES, attention, same_document
 from jmoe.model.layers import RMSNorm, param
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.parallel import constrain
@@ -70,8 +71,7 @@ class MLAttention(nnx.Module):
     if segment_ids_BS is not None:
       seq = segment_ids_BS.shape[1]
       mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None] & same_document(segment_ids_BS)
-    out_BSHK = jax.nn.dot_product_attention(q_BSHK, k_BSHK, v_BSHK, mask=mask,
-                                            is_causal=mask is None,
-                                            scale=softmax_scale(head_k, cfg.yarn))
-    out_BSHV = constrain(out_BSHK, Q_AXES)[..., :m.v_head_dim]
+    out_BSHK = attention(q_BSHK, k_BSHK, v_BSHK, mask=mask, is_causal=mask is None,
+                         scale=softmax_scale(head_k, cfg.yarn), kernel=cfg.attention_kernel)
+    out_BSHV = checkpoint_name(constrain(out_BSHK, Q_AXES)[..., :m.v_head_dim], "attention_out")
     return jnp.einsum("bshv,hvd->bsd", out_BSHV, w(self.w_o_HVD))

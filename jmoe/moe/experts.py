@@ -2,17 +2,23 @@
 
 A grouped GEMM multiplies row block e of x_XD (group_sizes_E[e] rows) by w_EDF[e]. Rows past
 sum(group_sizes_E) belong to no expert and give zeros. Backends share this one signature:
-  ragged_dot  XLA's `jax.lax.ragged_dot` (any platform)
+  tokamax     tokamax's Mosaic GPU kernel (NVIDIA Hopper and newer; the `gpu` extra)
+  ragged_dot  XLA's `jax.lax.ragged_dot` (any platform; on GPUs it expands to dense work)
   dense       a reference einsum over all experts with a row-to-expert mask (exact, E times the work)
-`auto` picks the fastest backend the platform has.
+`auto` picks tokamax on GPUs where it imports, and ragged_dot elsewhere.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+log = logging.getLogger("jmoe")
 
 GroupedGemm = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -29,13 +35,36 @@ def _dense(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.A
   return jnp.einsum("xef,xe->xf", y_XEF, member_XE.astype(y_XEF.dtype))
 
 
-GEMM_BACKENDS: dict[str, GroupedGemm] = {"ragged_dot": _ragged_dot, "dense": _dense}
+def _tokamax(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  import tokamax
+  # The kernel leaves rows past the groups unwritten (forward, and the input gradient backward):
+  # selecting zeros there on both sides keeps the contract and the gradients clean.
+  in_groups_X1 = (jnp.arange(x_XD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
+  x_XD = jnp.where(in_groups_X1, x_XD, jnp.zeros_like(x_XD))
+  y_XF = tokamax.ragged_dot(x_XD, w_EDF, group_sizes_E, implementation="mosaic")
+  return jnp.where(in_groups_X1, y_XF, jnp.zeros_like(y_XF))
+
+
+GEMM_BACKENDS: dict[str, GroupedGemm] = {"tokamax": _tokamax, "ragged_dot": _ragged_dot,
+                                         "dense": _dense}
+
+
+@functools.cache
+def auto_gemm() -> str:
+  """tokamax on GPUs (where it imports), XLA's ragged_dot elsewhere."""
+  if jax.default_backend() != "gpu":
+    return "ragged_dot"
+  try:
+    import tokamax  # noqa: F401
+  except ImportError as e:
+    log.warning("moe.gemm=auto: tokamax does not import (%s), so the experts use XLA's "
+                "ragged_dot, which is slow on GPUs; install jmoe[gpu]", e)
+    return "ragged_dot"
+  return "tokamax"
 
 
 def grouped_gemm(name: str) -> GroupedGemm:
-  if name == "auto":
-    name = "ragged_dot"
-  return GEMM_BACKENDS[name]
+  return GEMM_BACKENDS[auto_gemm() if name == "auto" else name]
 
 
 GatedActivation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden
@@ -74,7 +103,8 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[str, jax
   h_X2F = h_X2F.reshape(num_rows, 2, d_ff)
   if "b_in_E2F" in weights:
     h_X2F = h_X2F + _row_bias(weights["b_in_E2F"], group_sizes_E, num_rows)
-  y_XD = gemm(activation(h_X2F[:, 0], h_X2F[:, 1]), w_out_EFD, group_sizes_E)
+  hidden_XF = checkpoint_name(activation(h_X2F[:, 0], h_X2F[:, 1]), "expert_hidden")
+  y_XD = gemm(hidden_XF, w_out_EFD, group_sizes_E)
   if "b_out_ED" in weights:
     y_XD = y_XD + _row_bias(weights["b_out_ED"], group_sizes_E, num_rows)
   return y_XD

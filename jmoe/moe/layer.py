@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import MoEConfig
 from jmoe.model.layers import param
@@ -53,7 +54,7 @@ class MoE(nnx.Module):
   def __call__(self, x_BSD: jax.Array, rng: jax.Array | None = None
                ) -> tuple[jax.Array, RouterStats]:
     batch, seq, d_model = x_BSD.shape
-    x_TD = x_BSD.reshape(batch * seq, d_model)
+    x_TD = checkpoint_name(x_BSD.reshape(batch * seq, d_model), "moe_input")
     layout = active_layout()
     with jax.named_scope("route"):
       routing = route(self._router_logits(x_TD, rng), self.cfg.router, self.cfg.top_k,

@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
   def command() -> int:
     rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(rest)
+    from jmoe.xla_flags import set_gpu_flags
+    set_gpu_flags()
     if args.coordinator:
       import jax
       jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)

@@ -1,0 +1,116 @@
+"""Training-step speed: one JSON line per run, for docs/PERFORMANCE.md.
+
+  python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
+      [--balanced] [--no-xla-flags] [--config.group.key=value ...]
+
+Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
+published MoE benchmarks use: warm-up steps, then timed steps with one device sync at the end.
+Reports tokens/s and model TFLOP/s per device (Megatron's count: jmoe/train/flops.py), MFU against
+the datasheet's dense bf16 peak (989 TFLOP/s for H100/H200) and against a dense bf16 GEMM measured
+in the same process, the step time and the peak device memory. `--balanced` forces every expert
+to the same load (moe.router.force_balanced), as NeMo AutoModel's published figures do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DATASHEET_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
+
+
+def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
+  import jax
+  import jax.numpy as jnp
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.bfloat16)
+  matmul = jax.jit(lambda a, b: a @ b)
+  for _ in range(2):
+    matmul(a, a).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    out = matmul(a, a)
+  out.block_until_ready()
+  return 2 * size**3 * repeats / (time.perf_counter() - t0) / 1e12
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--steps", type=int, default=10)
+  parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--balanced", action="store_true", help="force equal expert loads")
+  parser.add_argument("--no-xla-flags", action="store_true", help="leave XLA_FLAGS as they are")
+  from jmoe.cli import run, split_overrides
+  rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(rest)
+  if not args.no_xla_flags:
+    from jmoe.xla_flags import set_gpu_flags
+    set_gpu_flags()
+
+  def command() -> int:
+    import jax
+    import numpy as np
+    from jmoe.config import load_config
+    from jmoe.moe.experts import auto_gemm
+    from jmoe.parallel import make_layout
+    from jmoe.train.flops import model_flops_per_token
+    from jmoe.train.optimizer import learning_rate, make_optimizer
+    from jmoe.train.state import state_spec
+    from jmoe.train.step import make_train_step
+    config = load_config(args.config, overrides + (
+        ["moe.router.force_balanced=true"] if args.balanced else []))
+    layout = make_layout(config.parallel)
+    optimizer = make_optimizer(config.train)
+    spec = state_spec(config, layout, optimizer)
+    state = spec.init()
+    batch_size, seq = config.train.batch_size, config.data.seq_len
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch_size, seq + 1))
+    batch = {"tokens": jax.device_put(tokens.astype(np.int32), layout.batch)}
+    t0 = time.perf_counter()
+    with layout.active():
+      step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)),
+                     in_shardings=(spec.shardings, layout.batch),
+                     out_shardings=(spec.shardings, layout.replicated),
+                     donate_argnums=0).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(state)
+    step_s = (time.perf_counter() - t0) / args.steps
+    metrics = jax.device_get(metrics)
+    devices = layout.mesh.devices.size
+    tokens_per_s = batch_size * seq / step_s / devices
+    tflops = tokens_per_s * model_flops_per_token(config) / 1e12
+    gemm = dense_gemm_tflops()
+    memory = jax.devices()[0].memory_stats() or {}
+    load_LE = np.asarray(metrics["expert_load"])
+    print(json.dumps({
+        "config": args.config, "overrides": overrides, "devices": devices,
+        "device_kind": jax.devices()[0].device_kind, "layers": config.model.num_layers,
+        "batch": batch_size, "seq_len": seq, "routing": "balanced" if args.balanced else "real",
+        "gemm": auto_gemm() if config.moe.gemm == "auto" else config.moe.gemm,
+        "remat": config.train.remat, "step_ms": round(step_s * 1e3, 2),
+        "tokens_per_s_per_device": round(tokens_per_s),
+        "tflops_per_device": round(tflops, 1),
+        "mfu_datasheet": round(tflops / DATASHEET_TFLOPS, 4),
+        "dense_gemm_tflops": round(gemm, 1), "mfu_measured_gemm": round(tflops / gemm, 4),
+        "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),
+        "loss": round(float(metrics["loss"]), 4),
+        "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
+        if load_LE.size else None,
+        "compile_s": round(compile_s, 1)}))
+    return 0
+
+  logging.getLogger("jmoe").setLevel(logging.INFO)
+  return run(command)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

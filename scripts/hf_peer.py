@@ -1,0 +1,80 @@
+"""The PyTorch peer: a Hugging Face transformers training step on the same model config and batch.
+
+  python scripts/hf_peer.py --config configs/bench/qwen3_30b_a3b_1gpu.py
+      [--experts-implementation grouped_mm] [--steps 5] [--warmup 2]
+
+Builds the transformers model that `jmoe.convert export-hf` would write for the config (its
+architecture from `model.family`), with random weights in bf16, sdpa attention and PyTorch's fused
+AdamW, and times full steps (forward, backward, update) on random tokens. Prints one JSON line with
+the same fields and the same FLOP count as scripts/benchmark.py, so the two compare directly. Needs
+torch and transformers (present on the GPU image; not a jmoe dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--experts-implementation", default="grouped_mm")
+  parser.add_argument("--steps", type=int, default=5)
+  parser.add_argument("--warmup", type=int, default=2)
+  from jmoe.cli import split_overrides
+  rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(rest)
+
+  import torch
+  import transformers
+  from jmoe.checkpoint.hf_families import check_exportable
+  from jmoe.config import load_config
+  from jmoe.train.flops import model_flops_per_token
+
+  config = load_config(args.config, overrides)
+  family = check_exportable(config.model, config.moe)
+  hf_dict = family.to_hf(config.model, config.moe)
+  hf_config = transformers.AutoConfig.for_model(
+      hf_dict["model_type"], **{k: v for k, v in hf_dict.items() if k != "model_type"})
+  architecture = getattr(transformers, family.architecture)
+  torch.manual_seed(0)
+  model = architecture._from_config(
+      hf_config, attn_implementation="sdpa", dtype=torch.bfloat16,
+      experts_implementation=args.experts_implementation).cuda()
+  optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+  batch_size, seq = config.train.batch_size, config.data.seq_len
+  tokens = torch.randint(0, config.model.vocab_size, (batch_size, seq), device="cuda")
+
+  def step():
+    loss = model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+  for _ in range(args.warmup):
+    step()
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  for _ in range(args.steps):
+    loss = step()
+  torch.cuda.synchronize()
+  step_s = (time.perf_counter() - t0) / args.steps
+  tokens_per_s = batch_size * seq / step_s
+  tflops = tokens_per_s * model_flops_per_token(config) / 1e12
+  print(json.dumps({
+      "peer": f"transformers {transformers.__version__} / torch {torch.__version__}",
+      "config": args.config, "architecture": family.architecture,
+      "experts_implementation": args.experts_implementation, "layers": config.model.num_layers,
+      "batch": batch_size, "seq_len": seq, "step_ms": round(step_s * 1e3, 2),
+      "tokens_per_s_per_device": round(tokens_per_s), "tflops_per_device": round(tflops, 1),
+      "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+      "loss": round(float(loss), 4)}))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
