@@ -31,7 +31,7 @@ def check_grouped_gemm() -> list[dict]:
   sizes[3] = 0  # an expert with no rows
   group_sizes = jnp.asarray(sizes, jnp.int32)
   out = []
-  for name in ("tokamax",):
+  for name in ("tokamax", "ragged_dot"):  # XLA's, in the same bf16: what rounding alone gives
     def loss(x, w, gemm=GEMM_BACKENDS[name]):
       y = gemm(x, w, group_sizes)
       return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
@@ -46,10 +46,13 @@ def check_grouped_gemm() -> list[dict]:
     tail = int(sizes.sum())
     result = {"check": f"grouped_gemm_{name}", "out": relative_error(y, y_ref),
               "dx": relative_error(dx, dx_ref), "dw": relative_error(dw, dw_ref),
+              "dw_worst_expert": max(relative_error(dw[e], dw_ref[e]) for e in range(experts)
+                                     if sizes[e]),
+              "dw_empty_expert_zero": bool(np.all(np.asarray(dw[3]) == 0)),
               "rows_past_groups_zero": bool(np.all(np.asarray(y[tail:]) == 0)
                                             and np.all(np.asarray(dx[tail:]) == 0))}
-    result["ok"] = (max(result["out"], result["dx"], result["dw"]) < 2e-2
-                    and result["rows_past_groups_zero"])
+    result["ok"] = (max(result["out"], result["dx"]) < 2e-2 and result["dw"] < 0.1
+                    and result["rows_past_groups_zero"] and result["dw_empty_expert_zero"])
     out.append(result)
   return out
 

@@ -41,9 +41,10 @@ def main(argv: list[str] | None = None) -> int:
       hf_dict["model_type"], **{k: v for k, v in hf_dict.items() if k != "model_type"})
   architecture = getattr(transformers, family.architecture)
   torch.manual_seed(0)
-  model = architecture._from_config(
-      hf_config, attn_implementation="sdpa", dtype=torch.bfloat16,
-      experts_implementation=args.experts_implementation).cuda()
+  with torch.device("cuda"):  # initialised on the GPU: a CPU init of billions of weights is slow
+    model = architecture._from_config(
+        hf_config, attn_implementation="sdpa", dtype=torch.bfloat16,
+        experts_implementation=args.experts_implementation)
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
   batch_size, seq = config.train.batch_size, config.data.seq_len
   tokens = torch.randint(0, config.model.vocab_size, (batch_size, seq), device="cuda")
@@ -72,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
       "batch": batch_size, "seq_len": seq, "step_ms": round(step_s * 1e3, 2),
       "tokens_per_s_per_device": round(tokens_per_s), "tflops_per_device": round(tflops, 1),
       "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-      "loss": round(float(loss), 4)}))
+      "loss": round(float(loss.detach()), 4)}))
   return 0
 
 

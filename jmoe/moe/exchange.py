@@ -27,7 +27,7 @@ from jmoe.config import MoEConfig
 from jmoe.moe.capacity import apply_capacity, expert_capacity, rank_within_expert
 from jmoe.moe.combine import combine, weighted_sum
 from jmoe.moe.dispatch import dispatch
-from jmoe.moe.experts import GroupedGemm, expert_ffn, gated_activation
+from jmoe.moe.experts import GroupedGemm, expert_ffn, gated_activation, tracks_varying_axes
 from jmoe.parallel import ExpertAxes, Layout
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]  # (rows x_XD, group_sizes_E) -> y_XD
@@ -152,4 +152,5 @@ def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_
   return jax.shard_map(
       body, mesh=layout.mesh,
       in_specs=(tokens, tokens, tokens, {k: specs[k] for k in experts}),
-      out_specs=(tokens, P()))(x_TD, expert_ids_TK, weights_TK, experts)
+      out_specs=(tokens, P()), check_vma=tracks_varying_axes(gemm))(
+          x_TD, expert_ids_TK, weights_TK, experts)

@@ -35,14 +35,44 @@ def _dense(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.A
   return jnp.einsum("xef,xe->xf", y_XEF, member_XE.astype(y_XEF.dtype))
 
 
-def _tokamax(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+def _tokamax_kernel(x_XD, w_EDF, group_sizes_E):
   import tokamax
-  # The kernel leaves rows past the groups unwritten (forward, and the input gradient backward):
-  # selecting zeros there on both sides keeps the contract and the gradients clean.
-  in_groups_X1 = (jnp.arange(x_XD.shape[0]) < jnp.sum(group_sizes_E))[:, None]
-  x_XD = jnp.where(in_groups_X1, x_XD, jnp.zeros_like(x_XD))
-  y_XF = tokamax.ragged_dot(x_XD, w_EDF, group_sizes_E, implementation="mosaic")
+  return tokamax.ragged_dot(x_XD, w_EDF, group_sizes_E, implementation="mosaic")
+
+
+@jax.custom_vjp
+def _tokamax(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  # The kernel leaves what no row of a group touches unwritten: output rows past the groups, and
+  # in the backward pass the input gradient of those rows and the weight gradient of an expert
+  # with no rows. Zeros are selected there, so the contract holds and no garbage reaches the
+  # optimizer.
+  return _rows_in_groups(_tokamax_kernel(x_XD, w_EDF, group_sizes_E), group_sizes_E)
+
+
+def _rows_in_groups(y_XF, group_sizes_E):
+  in_groups_X1 = (jnp.arange(y_XF.shape[0]) < jnp.sum(group_sizes_E))[:, None]
   return jnp.where(in_groups_X1, y_XF, jnp.zeros_like(y_XF))
+
+
+def _tokamax_fwd(x_XD, w_EDF, group_sizes_E):
+  y_XF, vjp = jax.vjp(lambda x, w: _tokamax_kernel(x, w, group_sizes_E), x_XD, w_EDF)
+  return _rows_in_groups(y_XF, group_sizes_E), (vjp, group_sizes_E)
+
+
+def _tokamax_bwd(residuals, dy_XF):
+  vjp, group_sizes_E = residuals
+  dx_XD, dw_EDF = vjp(_rows_in_groups(dy_XF, group_sizes_E))
+  dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, jnp.zeros_like(dw_EDF))
+  return _rows_in_groups(dx_XD, group_sizes_E), dw_EDF, None
+
+
+_tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
+
+
+def tracks_varying_axes(gemm: GroupedGemm) -> bool:
+  """Whether the backend's gradients keep shard_map's varying-axes types. tokamax's custom VJP
+  drops them, so shard_map must run it with that check off."""
+  return gemm is not _tokamax
 
 
 GEMM_BACKENDS: dict[str, GroupedGemm] = {"tokamax": _tokamax, "ragged_dot": _ragged_dot,
