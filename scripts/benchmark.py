@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     devices = layout.mesh.devices.size
     tokens_per_s = batch_size * seq / step_s / devices
     tflops = tokens_per_s * model_flops_per_token(config) / 1e12
-    gemm = dense_gemm_tflops()
+    gemm = dense_gemm_tflops(8192 if jax.default_backend() == "gpu" else 512)
     memory = jax.devices()[0].memory_stats() or {}
     load_LE = np.asarray(metrics["expert_load"])
     print(json.dumps({
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "gemm": auto_gemm() if config.moe.gemm == "auto" else config.moe.gemm,
         "remat": config.train.remat, "step_ms": round(step_s * 1e3, 2),
         "tokens_per_s_per_device": round(tokens_per_s),
-        "tflops_per_device": round(tflops, 1),
+        "tflops_per_device": round(tflops, 3),
         "mfu_datasheet": round(tflops / DATASHEET_TFLOPS, 4),
         "dense_gemm_tflops": round(gemm, 1), "mfu_measured_gemm": round(tflops / gemm, 4),
         "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),

@@ -1,6 +1,7 @@
 """The helper scripts run on what a training run writes."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -39,3 +40,17 @@ def test_plot_expert_load_explains_bad_input(tmp_path):
   write_metrics(tmp_path)
   result = run_plot("--workdir", str(tmp_path), "--step", "7")
   assert result.returncode != 0 and "step 7 was not logged" in result.stderr
+
+
+def test_benchmark_prints_its_figures(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "scripts/benchmark.py", "--config", "configs/tiny_moe.py", "--steps", "2",
+       "--warmup", "1", "--balanced", "--config.train.batch_size=4", "--config.data.seq_len=32",
+       "--config.model.num_layers=2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=240,
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+  assert result.returncode == 0, result.stderr[-3000:]
+  record = json.loads(result.stdout.strip().splitlines()[-1])
+  assert record["routing"] == "balanced" and record["expert_load_max_over_mean"] == 1.0
+  assert record["gemm"] == "ragged_dot" and record["tokens_per_s_per_device"] > 0
+  assert 0 < record["mfu_measured_gemm"] and record["tflops_per_device"] > 0
