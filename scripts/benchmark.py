@@ -20,6 +20,38 @@ import sys
 import time
 
 DATASHEET_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
+# Device kernels by name, for the time breakdown of a profiled step (first match wins).
+KERNEL_KINDS = (("attention", ("fmha", "cudnn", "flash", "attention")),
+                ("grouped_gemm", ("ragged", "mosaic", "pallas", "gmm")),
+                ("gemm", ("gemm", "cublas", "nvjet", "xmma", "cutlass", "matmul", "dot")),
+                ("collective", ("nccl", "all-to-all", "all_to_all", "allreduce", "all-gather")),
+                ("copy", ("memcpy", "memset", "copy")))
+
+
+def kernel_breakdown(trace_dir: str) -> dict:
+  """Device time per kernel kind (and the 12 longest kernels) from a profiler trace."""
+  import collections
+  import glob
+  import gzip
+  paths = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+  if not paths:
+    return {"error": f"no trace under {trace_dir}"}
+  events = json.load(gzip.open(sorted(paths)[-1]))["traceEvents"]
+  devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+             and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+  by_name = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("pid") in devices:
+      by_name[e["name"]] += float(e.get("dur", 0))
+  total = sum(by_name.values()) or 1.0
+  kinds = collections.Counter()
+  for name, us in by_name.items():
+    low = name.lower()
+    kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
+    kinds[kind] += us
+  return {"device_ms": round(total / 1e3, 2),
+          "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
+          "top_kernels": [[n[:90], round(us / total, 4)] for n, us in by_name.most_common(12)]}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
@@ -43,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--warmup", type=int, default=3)
   parser.add_argument("--balanced", action="store_true", help="force equal expert loads")
   parser.add_argument("--no-xla-flags", action="store_true", help="leave XLA_FLAGS as they are")
+  parser.add_argument("--profile", metavar="DIR",
+                      help="also trace 3 steps into DIR and print the device time per kernel kind")
   from jmoe.cli import run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
@@ -90,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
     tflops = tokens_per_s * model_flops_per_token(config) / 1e12
     gemm = dense_gemm_tflops(8192 if jax.default_backend() == "gpu" else 512)
     memory = jax.devices()[0].memory_stats() or {}
+    breakdown = None
+    if args.profile:
+      with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+        for _ in range(3):
+          state, _ = step(state, batch)
+        jax.block_until_ready(state)
+      breakdown = kernel_breakdown(args.profile)
     load_LE = np.asarray(metrics["expert_load"])
     print(json.dumps({
         "config": args.config, "overrides": overrides, "devices": devices,
@@ -106,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
         if load_LE.size else None,
         "compile_s": round(compile_s, 1)}))
+    if breakdown is not None:
+      print(json.dumps({"profile": args.profile, "steps": 3, **breakdown}))
     return 0
 
   logging.getLogger("jmoe").setLevel(logging.INFO)
