@@ -56,7 +56,7 @@ def test_router_stats_per_moe_layer():
   np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("remat", ["full", "attention_moe_experts"])
+@pytest.mark.parametrize("remat", ["full", "attention_moe_experts", "offload_attention_moe"])
 def test_remat_equals_no_remat(remat):
   def loss_and_grads(remat):
     model = model_factory(tiny_config(train=dict(remat=remat)))()
