@@ -110,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                      out_shardings=(spec.shardings, layout.replicated),
                      donate_argnums=0).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    first = None
     for _ in range(args.warmup):
       state, metrics = step(state, batch)
+      first = first or jax.device_get({k: metrics[k] for k in ("loss", "grad_norm")})
     jax.block_until_ready(state)
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         "dense_gemm_tflops": round(gemm, 1), "mfu_measured_gemm": round(tflops / gemm, 4),
         "peak_memory_gib": round(memory.get("peak_bytes_in_use", 0) / 2**30, 2),
         "loss": round(float(metrics["loss"]), 4),
+        # the first step's, from the same initial state: equal on every layout up to rounding
+        "first_loss": round(float(first["loss"]), 5) if first else None,
+        "first_grad_norm": round(float(first["grad_norm"]), 5) if first else None,
         "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
         if load_LE.size else None,
         "compile_s": round(compile_s, 1)}))
