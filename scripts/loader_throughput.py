@@ -16,7 +16,7 @@ import time
 
 from jmoe.cli import run, split_overrides
 from jmoe.config import load_config
-from jmoe.data.pipeline import Batches, document_order, open_documents
+from jmoe.data.pipeline import global_batches
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     config = load_config(args.config, overrides)
     t0 = time.perf_counter()
-    _, parts = open_documents(config.data, config.model.vocab_size)
-    order = document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
-                           config.data.shuffle, None)
-    rows = config.train.batch_size
-    batches = Batches(order, list(range(rows)), rows, config.data.seq_len + 1,
-                      config.data.packing)
+    batches = global_batches(config)
     opened = time.perf_counter() - t0
     t0 = time.perf_counter()
     tokens = sum(next(batches)["tokens"].size for _ in range(args.batches))

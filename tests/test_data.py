@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from jmoe.config import ConfigError, DataConfig
-from jmoe.data.pipeline import Batches, Prefetcher, document_order, first_batches, open_documents
+from jmoe.data.pipeline import (Batches, Prefetcher, document_order, first_batches, open_documents,
+                                training_order)
 from jmoe.data.prepare import prepare
 from jmoe.data.sources import TokenShards
 from jmoe.data.tokenizer import ByteTokenizer, HFTokenizer
@@ -131,7 +132,7 @@ def test_mixture_weights_set_each_sources_share(tmp_path):
   write_docs(tmp_path / "b", 10, seed=2, suffix=".md")
   config = DataConfig(source=f"{tmp_path / 'a'}@3, text:{tmp_path / 'b'}@1")
   tokenizer, parts = open_documents(config, 264)
-  order = document_order([p[0] for p in parts], [p[2] for p in parts], 0, True, None)
+  order = training_order(tiny_config(data=dict(source=config.source)), parts)
   texts_a = {p.read_text() for p in (tmp_path / "a").iterdir()}
   from_a = sum(tokenizer.decode(order[i]) in texts_a for i in range(400))
   assert from_a == 300

@@ -59,6 +59,12 @@ def document_order(sources: list, weights: list[float], seed: int, shuffle: bool
   return datasets[0] if len(datasets) == 1 else grain.MapDataset.mix(datasets, weights)
 
 
+def training_order(config: Config, parts: list) -> grain.MapDataset:
+  """The endless training order of `open_documents`' parts."""
+  return document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
+                        config.data.shuffle, None)
+
+
 def _pad_row(width: int):
   def pad(element):
     tokens = element["tokens"][:width]
@@ -222,10 +228,8 @@ class DataPipeline:
     self.tokenizer, parts = open_documents(cfg, config.model.vocab_size)
     self.rows = local_rows(layout, self.batch_size, self.width) if rows is None else rows
     self._position = {row: i for i, row in enumerate(self.rows)}
-    train = document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
-                           cfg.shuffle, None)
-    self._loader = Prefetcher(Batches(train, self.rows, self.batch_size, self.width, cfg.packing),
-                              cfg.prefetch)
+    self._loader = Prefetcher(Batches(training_order(config, parts), self.rows, self.batch_size,
+                                      self.width, cfg.packing), cfg.prefetch)
     held = [p[1] for p in parts if p[1] is not None]
     self._held = (grain.MapDataset.concatenate([grain.MapDataset.source(s) for s in held])
                   if held else None)
@@ -273,11 +277,14 @@ class DataPipeline:
     self._loader.close()
 
 
-def first_batches(config: Config, count: int = 1) -> list[dict[str, np.ndarray]]:
-  """The first `count` global training batches as numpy arrays (all rows, in one process)."""
+def global_batches(config: Config) -> Batches:
+  """The global training batches as numpy arrays: all rows, read in this one process."""
   _, parts = open_documents(config.data, config.model.vocab_size)
-  order = document_order([p[0] for p in parts], [p[2] for p in parts], config.train.seed,
-                         config.data.shuffle, None)
-  batches = Batches(order, list(range(config.train.batch_size)), config.train.batch_size,
-                    config.data.seq_len + 1, config.data.packing)
+  return Batches(training_order(config, parts), list(range(config.train.batch_size)),
+                 config.train.batch_size, config.data.seq_len + 1, config.data.packing)
+
+
+def first_batches(config: Config, count: int = 1) -> list[dict[str, np.ndarray]]:
+  """The first `count` global training batches."""
+  batches = global_batches(config)
   return [next(batches) for _ in range(count)]
