@@ -128,8 +128,7 @@ def upcycle(dense_dir: str | pathlib.Path, config: Config, out: str | pathlib.Pa
   # Parameters sharded over every device (FSDP), so a model larger than one device fits.
   layout = make_layout(ParallelConfig(dense=DenseLayout(data=1, fsdp=-1),
                                       expert=ExpertLayout(data=-1)))
-  dense_graph, dense_abstract = nnx.split(nnx.eval_shape(model_factory(dense_config)))
-  del dense_graph
+  dense_abstract = nnx.state(nnx.eval_shape(model_factory(dense_config)))
   dense_state = read_variables(dense_dir, dense_abstract, layout.shardings(dense_abstract))
 
   build = model_factory(config)
