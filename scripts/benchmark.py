@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                      out_shardings=(spec.shardings, layout.replicated),
                      donate_argnums=0).lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    hlo = step.as_text()
     first = None
     for _ in range(args.warmup):
       state, metrics = step(state, batch)
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         "device_kind": jax.devices()[0].device_kind, "layers": config.model.num_layers,
         "batch": batch_size, "seq_len": seq, "routing": "balanced" if args.balanced else "real",
         "gemm": auto_gemm() if config.moe.gemm == "auto" else config.moe.gemm,
+        "expert_blocks": config.moe.expert_blocks, "precision": config.precision.gemm,
+        "fp8_recipe": config.precision.fp8_recipe if config.precision.gemm == "fp8" else None,
+        # GEMM library calls in the compiled step: cuBLASLt's FP8 GEMMs and the others
+        "fp8_gemm_calls": hlo.count('custom_call_target="__cublas$lt$matmul$f8"'),
+        "other_gemm_calls": hlo.count('custom_call_target="__cublas$lt$matmul"')
+        + hlo.count('custom_call_target="__cublas$gemm"'),
         "remat": config.train.remat, "step_ms": round(step_s * 1e3, 2),
         "tokens_per_s_per_device": round(tokens_per_s),
         "tflops_per_device": round(tflops, 3),

@@ -10,7 +10,7 @@ from jmoe.config import BalanceConfig, DenseLayout, ExpertLayout, MoEConfig, Par
     RouterConfig
 from jmoe.moe import MoE, apply_capacity, balance_loss, bias_step, route
 from jmoe.moe.exchange import local_experts
-from jmoe.moe.experts import grouped_gemm
+from jmoe.moe.experts import expert_gemms
 from jmoe.parallel import make_layout
 
 T, E = 32, 8
@@ -227,7 +227,7 @@ def test_capacity_is_decided_per_device_and_matches_a_per_shard_reference(dispat
     r = route(logits[n], layer.cfg.router, 2)
     experts = {"w_in_ED2F": layer.w_in_ED2F[...], "w_out_EFD": layer.w_out_EFD[...]}
     y_n, d_n = local_experts(layer.cfg, x_TD[n], r.expert_ids_TK, r.weights_TK, experts,
-                             grouped_gemm("auto"))
+                             expert_gemms(layer.cfg))
     ys.append(y_n)
     drops.append(d_n)
   np.testing.assert_allclose(y.reshape(8, 16, 16), jnp.stack(ys), rtol=1e-5, atol=1e-6)

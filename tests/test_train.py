@@ -27,7 +27,8 @@ def first_step(config, devices):
   spec = state_spec(config, layout, optimizer)
   step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)))
   batch = jax.device_put(first_batches(config)[0], layout.batch)
-  state, metrics = step(spec.init(), batch)
+  with layout.active():
+    state, metrics = step(spec.init(), batch)
   return jax.device_get(metrics), jax.device_get(state.params)
 
 

@@ -102,6 +102,10 @@ class MoEConfig:
   # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
   drop_policy: str = "probability"  # which copies stay under a capacity: probability | position
   gemm: str = "auto"  # grouped GEMM backend: auto (tokamax on GPU) | tokamax | ragged_dot | dense
+  # > 0: each expert's rows, up to this multiple of the mean rows per expert, go into a block of
+  # their own and all blocks run as one batched GEMM (fast on GPUs, and FP8-capable); rows past
+  # a block take the grouped GEMM. Still dropless. 0: grouped GEMMs only.
+  expert_blocks: float = 0.0
   activation: str = "swiglu"  # swiglu | clamped_swiglu (GPT-OSS: clamped, scaled gate, up + 1)
   swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
   swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
@@ -181,6 +185,14 @@ class DataConfig:
 class PrecisionConfig:
   params: str = "float32"  # storage dtype of the parameters (and so of the optimizer's master copy)
   compute: str = "bfloat16"  # dtype of activations and GEMM inputs; router and losses stay float32
+  # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/model/fp8.py).
+  # mxfp8 and nvfp4 name Blackwell's block-scaled formats: planned, see docs/FP8.md.
+  gemm: str = "bf16"
+  fp8_recipe: str = "current"  # dense GEMMs' scales: current (per-tensor amax now) | delayed
+  fp8_amax_history: int = 16  # steps of amax kept per GEMM for delayed scaling
+  fp8_grad_format: str = "e5m2"  # float8 format of the gradients: e5m2 | e4m3
+  fp8_experts: bool = True  # expert GEMMs in FP8 too (row-wise current scaling)
+  fp8_dispatch: bool = False  # tokens cross the expert-parallel exchange as float8 (row scales)
 
 
 @dataclass(frozen=True)

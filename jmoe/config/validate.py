@@ -78,6 +78,8 @@ def _moe(config: Config):
     yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers] = "
            f"[0, {config.model.num_layers}] (all layers dense: a dense model)")
   yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
+  if moe.expert_blocks < 0:
+    yield f"moe.expert_blocks must be >= 0 (0: off), got {moe.expert_blocks}"
   yield from _one_of("moe.dispatcher", moe.dispatcher, DISPATCHERS)
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
   yield from _one_of("moe.balance.aux_loss_type", moe.balance.aux_loss_type, AUX_LOSS_TYPES)
@@ -137,9 +139,28 @@ def _data(config: Config):
     yield "train.eval_every and data.prefetch must be >= 0"
 
 
+BLACKWELL_FORMATS = ("mxfp8", "nvfp4")
+
+
+def _precision(p):
+  if p.gemm in BLACKWELL_FORMATS:
+    yield (f"precision.gemm={p.gemm} is a block-scaled format of NVIDIA Blackwell GPUs (sm_100 and "
+           "newer); jmoe does not run it yet (docs/FP8.md has the plan). On Hopper use "
+           "precision.gemm=fp8, or bf16")
+    return
+  yield from _one_of("precision.gemm", p.gemm, ("bf16", "fp8"))
+  yield from _one_of("precision.fp8_recipe", p.fp8_recipe, ("current", "delayed"))
+  yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, ("e5m2", "e4m3"))
+  if p.fp8_amax_history < 1:
+    yield f"precision.fp8_amax_history must be >= 1, got {p.fp8_amax_history}"
+  if p.gemm != "fp8" and p.fp8_dispatch:
+    yield "precision.fp8_dispatch needs precision.gemm=fp8"
+
+
 def _other(config: Config):
   yield from _one_of("precision.params", config.precision.params, DTYPES)
   yield from _one_of("precision.compute", config.precision.compute, DTYPES)
+  yield from _precision(config.precision)
   for group in ("dense", "expert"):
     layout = getattr(config.parallel, group)
     sizes = {k: v for k, v in vars(layout).items()}

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
+from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.model.layers import RMSNorm, param
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.parallel import constrain
@@ -55,9 +56,11 @@ def same_document(segment_ids_BS: jax.Array) -> jax.Array:
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
+               fp8: Fp8Recipe | None = None):
     self.cfg = cfg
     self.dtype = dtype
+    self.fp8_q, self.fp8_k, self.fp8_v, self.fp8_o = (fp8_site(fp8) for _ in range(4))
     d, h, g, a = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     kw = dict(std=cfg.init_std, dtype=param_dtype)
     self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", "head_dim"), **kw)
@@ -80,11 +83,11 @@ class Attention(nnx.Module):
     """`segment_ids_BS`: which packed document each token belongs to; tokens attend only within
     their own (None: one document per row)."""
     cfg, dt = self.cfg, self.dtype
-    project = lambda w, b, spec: jnp.einsum(spec, x_BSD, w[...].astype(dt)) + (
+    proj = lambda w, b, site: project(x_BSD, w[...].astype(dt), 1, site) + (
         0 if b is None else b[...].astype(dt))
-    q_BSHA = project(self.w_q_DHA, self.b_q_HA, "bsd,dha->bsha")
-    k_BSGA = project(self.w_k_DGA, self.b_k_GA, "bsd,dga->bsga")
-    v_BSGA = project(self.w_v_DGA, self.b_v_GA, "bsd,dga->bsga")
+    q_BSHA = proj(self.w_q_DHA, self.b_q_HA, self.fp8_q)
+    k_BSGA = proj(self.w_k_DGA, self.b_k_GA, self.fp8_k)
+    v_BSGA = proj(self.w_v_DGA, self.b_v_GA, self.fp8_v)
     if self.q_norm is not None:
       q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
@@ -92,7 +95,7 @@ class Attention(nnx.Module):
     v_BSGA = constrain(v_BSGA, KV_AXES)
     out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
                                "attention_out")
-    out_BSD = jnp.einsum("bsha,had->bsd", constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt))
+    out_BSD = project(constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt), 2, self.fp8_o)
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:

@@ -7,6 +7,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
+from jmoe.model.fp8 import Fp8Recipe
 from jmoe.model.layers import RMSNorm
 from jmoe.model.mla import MLAttention
 from jmoe.model.mlp import SwiGLU
@@ -21,11 +22,12 @@ class Block(nnx.Module):
   """With `moe=None` the block's MLP is dense (d_ff wide); otherwise it is an MoE layer."""
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, param_dtype, dtype,
-               rngs: nnx.Rngs):
-    kw = dict(param_dtype=param_dtype, rngs=rngs)
-    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
+    kw = dict(param_dtype=param_dtype, rngs=rngs, fp8=fp8)
+    norm_kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm_kw)
     self.attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype=dtype, **kw)
-    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **kw)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm_kw)
     if moe is None:
       self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, dtype=dtype, **kw)
     else:

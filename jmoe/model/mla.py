@@ -15,6 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
 from jmoe.model.attention import KV_AXES, Q_AXES, attention, same_document
+from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.model.layers import RMSNorm, param
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.parallel import constrain
@@ -25,8 +26,11 @@ LATENT_NORM_EPS = 1e-6
 
 class MLAttention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
+               fp8: Fp8Recipe | None = None):
     self.cfg, self.dtype = cfg, dtype
+    self.fp8_q_a, self.fp8_q, self.fp8_kv_a, self.fp8_kv_b, self.fp8_o = (
+        fp8_site(fp8) for _ in range(5))
     m, d, h, std = cfg.mla, cfg.d_model, cfg.num_heads, cfg.init_std
     k = m.qk_nope_head_dim + m.qk_rope_head_dim
     kw = dict(std=std, dtype=param_dtype)
@@ -47,13 +51,13 @@ class MLAttention(nnx.Module):
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     w = lambda p: p[...].astype(dt)
     if m.q_lora_rank:
-      q_BSR = self.q_a_norm(jnp.einsum("bsd,dr->bsr", x_BSD, w(self.w_q_a_DR)))
-      q_BSHK = jnp.einsum("bsr,rhk->bshk", q_BSR, w(self.w_q_b_RHK))
+      q_BSR = self.q_a_norm(project(x_BSD, w(self.w_q_a_DR), 1, self.fp8_q_a))
+      q_BSHK = project(q_BSR, w(self.w_q_b_RHK), 1, self.fp8_q)
     else:
-      q_BSHK = jnp.einsum("bsd,dhk->bshk", x_BSD, w(self.w_q_DHK))
-    kv_BSR = jnp.einsum("bsd,dr->bsr", x_BSD, w(self.w_kv_a_DR))
+      q_BSHK = project(x_BSD, w(self.w_q_DHK), 1, self.fp8_q)
+    kv_BSR = project(x_BSD, w(self.w_kv_a_DR), 1, self.fp8_kv_a)
     kv_BSR, k_rope_BSP = kv_BSR[..., :m.kv_lora_rank], kv_BSR[..., m.kv_lora_rank:]
-    kv_BSHK = jnp.einsum("bsr,rhk->bshk", self.kv_a_norm(kv_BSR), w(self.w_kv_b_RHK))
+    kv_BSHK = project(self.kv_a_norm(kv_BSR), w(self.w_kv_b_RHK), 1, self.fp8_kv_b)
     k_nope_BSHN, v_BSHV = kv_BSHK[..., :m.qk_nope_head_dim], kv_BSHK[..., m.qk_nope_head_dim:]
 
     rope = lambda t: apply_rope(t, positions_BS, cfg.rope_theta, cfg.yarn)
@@ -74,4 +78,4 @@ class MLAttention(nnx.Module):
     out_BSHK = attention(q_BSHK, k_BSHK, v_BSHK, mask=mask, is_causal=mask is None,
                          scale=softmax_scale(head_k, cfg.yarn), kernel=cfg.attention_kernel)
     out_BSHV = checkpoint_name(constrain(out_BSHK, Q_AXES)[..., :m.v_head_dim], "attention_out")
-    return jnp.einsum("bshv,hvd->bsd", out_BSHV, w(self.w_o_HVD))
+    return project(out_BSHV, w(self.w_o_HVD), 2, self.fp8_o)

@@ -6,21 +6,24 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.model.layers import param
 from jmoe.parallel import constrain
 
 
 class SwiGLU(nnx.Module):
 
-  def __init__(self, d_model: int, d_ff: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, d_model: int, d_ff: int, std: float, *, param_dtype, dtype, rngs: nnx.Rngs,
+               fp8: Fp8Recipe | None = None):
     self.dtype = dtype
+    self.fp8_in, self.fp8_out = fp8_site(fp8), fp8_site(fp8)
     # Gate and up projections are one weight, so they are one GEMM.
     self.w_in_D2F = param(rngs, (d_model, 2, d_ff), ("embed", None, "mlp"), std=std,
                           dtype=param_dtype)
     self.w_out_FD = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=std, dtype=param_dtype)
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
-    h_BS2F = jnp.einsum("bsd,dcf->bscf", x_BSD, self.w_in_D2F[...].astype(self.dtype))
+    h_BS2F = project(x_BSD, self.w_in_D2F[...].astype(self.dtype), 1, self.fp8_in)
     h_BS2F = constrain(h_BS2F, ("act_batch", "act_seq", None, "act_mlp"))
     h_BSF = jax.nn.silu(h_BS2F[:, :, 0]) * h_BS2F[:, :, 1]
-    return jnp.einsum("bsf,fd->bsd", h_BSF, self.w_out_FD[...].astype(self.dtype))
+    return project(h_BSF, self.w_out_FD[...].astype(self.dtype), 1, self.fp8_out)

@@ -10,24 +10,27 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
+from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.model.layers import RMSNorm, param
 from jmoe.parallel import constrain
 
 
 class MTPModule(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype, dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
+               fp8: Fp8Recipe | None = None):
     d = cfg.d_model
     norm = lambda: RMSNorm(d, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
     self.embed_norm, self.hidden_norm, self.out_norm = norm(), norm(), norm()
     self.w_proj_2DD = param(rngs, (2 * d, d), (None, "embed"), std=cfg.init_std, dtype=param_dtype)
-    self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+    self.fp8_proj = fp8_site(fp8)
+    self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
 
   def __call__(self, h_BSD, emb_BSD, positions_BS, segment_ids_BS, rng, layer):
     """Returns (the new hidden state for the next module, the normed state for the head, stats)."""
     x_BS2D = jnp.concatenate([self.embed_norm(emb_BSD), self.hidden_norm(h_BSD)], axis=-1)
-    x_BSD = constrain(jnp.einsum("bsc,cd->bsd", x_BS2D, self.w_proj_2DD[...].astype(self.dtype)),
+    x_BSD = constrain(project(x_BS2D, self.w_proj_2DD[...].astype(self.dtype), 1, self.fp8_proj),
                       RESIDUAL_AXES)
     x_BSD, stats = self.block(x_BSD, positions_BS, segment_ids_BS, rng=rng, layer=layer)
     return x_BSD, self.out_norm(x_BSD), stats

@@ -8,6 +8,7 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
+from jmoe.model.fp8 import Fp8Recipe
 from jmoe.model.layers import Embed, RMSNorm, param
 from jmoe.model.mtp import MTPModule
 from jmoe.model.stack import make_stack, run_stack
@@ -19,11 +20,15 @@ from jmoe.parallel import constrain
 class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype=jnp.float32,
-               dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs):
+               dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs,
+               fp8: Fp8Recipe | None = None):
+    """`fp8`: run the GEMMs of attention, MLPs and experts in FP8 with this recipe (the
+    embedding, router and LM head stay in the compute dtype or float32)."""
     self.cfg = cfg
     self.remat = remat
-    kw = dict(param_dtype=param_dtype, dtype=dtype)
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, rngs=rngs, **kw)
+    kw = dict(param_dtype=param_dtype, dtype=dtype, fp8=fp8)
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, param_dtype=param_dtype,
+                       dtype=dtype, rngs=rngs)
     self.dense_blocks = (
         make_stack(lambda r: Block(cfg, None, rngs=r, **kw), moe.first_k_dense, rngs)
         if moe.first_k_dense else None)

@@ -11,7 +11,9 @@ Two dispatchers, one signature:
              the sender (the worst case), so nothing is dropped whatever the routing. With a
              capacity factor the buffers shrink to what the peer's experts may take.
 
-Both count the rows per local expert inside the shard: no host synchronisation.
+Both count the rows per local expert inside the shard: no host synchronisation. With `fp8_dispatch`
+the token rows cross the exchange as E4M3 with one float32 scale per row (about half the bytes of
+bf16); their gradients travel back in full precision.
 """
 
 from __future__ import annotations
@@ -24,13 +26,42 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jmoe.config import MoEConfig
+from jmoe.model.fp8 import E4M3, amax, quantize, scale_for
 from jmoe.moe.capacity import apply_capacity, expert_capacity, rank_within_expert
 from jmoe.moe.combine import combine, weighted_sum
 from jmoe.moe.dispatch import dispatch
-from jmoe.moe.experts import GroupedGemm, expert_ffn, gated_activation, tracks_varying_axes
+from jmoe.moe.experts import (ExpertGemms, blocked_expert_ffn, block_capacity, expert_ffn,
+                              gated_activation, tracks_varying_axes)
 from jmoe.parallel import ExpertAxes, Layout
 
 ExpertFn = Callable[[jax.Array, jax.Array], jax.Array]  # (rows x_XD, group_sizes_E) -> y_XD
+
+
+def fp8_exchange(send: Callable, back: Callable) -> Callable:
+  """`send` (a collective over rows) carrying E4M3 rows and their scales; the gradient goes
+  through `back`, the transpose of `send`, in the gradient's own dtype."""
+
+  @jax.custom_vjp
+  def exchange(x_RD):
+    scale_R1 = scale_for(amax(x_RD, axis=1, keepdims=True), E4M3)
+    moved = send(quantize(x_RD, scale_R1, E4M3)).astype(jnp.float32) * send(scale_R1)
+    return moved.astype(x_RD.dtype)
+
+  exchange.defvjp(lambda x_RD: (exchange(x_RD), None), lambda _, dy_RD: (back(dy_RD),))
+  return exchange
+
+
+def _all_gather(axes, fp8: bool):
+  gather = lambda a: jax.lax.all_gather(a, axes, axis=0, tiled=True)
+  if not fp8:
+    return gather
+  return fp8_exchange(gather, lambda a: jax.lax.psum_scatter(a, axes, scatter_dimension=0,
+                                                             tiled=True))
+
+
+def _all_to_all(axes, fp8: bool):
+  exchange = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+  return fp8_exchange(exchange, exchange) if fp8 else exchange
 
 
 def _local_choice(expert_ids_TK, num_local, axes: ExpertAxes):
@@ -48,12 +79,14 @@ def _run_local(x_XD, local_ids_XK, num_local, expert_fn):
 
 
 def allgather_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: ExpertAxes,
-                       expert_fn: ExpertFn, max_rows_per_expert: int | None = None) -> jax.Array:
+                       expert_fn: ExpertFn, max_rows_per_expert: int | None = None,
+                       fp8: bool = False) -> jax.Array:
   del max_rows_per_expert  # every gathered row is computed where its expert lives
   group = axes.expert + axes.tensor
   if group:
-    x_TD, expert_ids_TK, weights_TK = (
-        jax.lax.all_gather(a, group, axis=0, tiled=True) for a in (x_TD, expert_ids_TK, weights_TK))
+    gather = _all_gather(group, False)
+    x_TD = _all_gather(group, fp8)(x_TD)
+    expert_ids_TK, weights_TK = gather(expert_ids_TK), gather(weights_TK)
   local_TK, mine_TK = _local_choice(expert_ids_TK, num_local, axes)
   y_XD, d = _run_local(x_TD, local_TK, num_local, expert_fn)
   y_TD = combine(y_XD, d, jnp.where(mine_TK, weights_TK, 0.0))
@@ -63,7 +96,8 @@ def allgather_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Ex
 
 
 def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: ExpertAxes,
-                      expert_fn: ExpertFn, max_rows_per_expert: int | None = None) -> jax.Array:
+                      expert_fn: ExpertFn, max_rows_per_expert: int | None = None,
+                      fp8: bool = False) -> jax.Array:
   if axes.tensor:  # every device of an ETP group computes the same rows on its slice of F
     x_TD, expert_ids_TK, weights_TK = (
         jax.lax.all_gather(a, axes.tensor, axis=0, tiled=True)
@@ -85,8 +119,8 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
   send_e = jnp.full((peers * block,), num_local, jnp.int32).at[slot_X].set(
       ids_X % num_local, mode="drop")
   if axes.expert:
-    send_x = jax.lax.all_to_all(send_x, axes.expert, 0, 0, tiled=True)
-    send_e = jax.lax.all_to_all(send_e, axes.expert, 0, 0, tiled=True)
+    send_x = _all_to_all(axes.expert, fp8)(send_x)
+    send_e = _all_to_all(axes.expert, False)(send_e)
   y_RD, d = _run_local(send_x, send_e[:, None], num_local, expert_fn)
   y_RD = combine(y_RD, d, jnp.ones((y_RD.shape[0], 1), jnp.float32))  # un-sort; empty slots 0
   if axes.expert:
@@ -102,7 +136,7 @@ DISPATCHERS = {"allgather": allgather_dispatch, "alltoall": alltoall_dispatch}
 
 
 def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK,
-                      experts: dict[str, jax.Array], gemm: GroupedGemm):
+                      experts: dict[str, jax.Array], gemms: ExpertGemms, fp8_dispatch: bool):
   """One device's part: capacity (decided on its own tokens), exchange, experts, combine."""
   num_local = experts["w_in_ED2F"].shape[0]
   num_experts = axes.num_expert_shards * num_local
@@ -116,9 +150,18 @@ def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, wei
     first = (jax.lax.axis_index(axes.tensor) == 0).astype(experts["b_out_ED"].dtype)
     experts = dict(experts, b_out_ED=experts["b_out_ED"] * first)
   activation = gated_activation(cfg)
-  expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, experts, gemm, activation)
+  if gemms.block_factor:
+    # The mean rows per local expert: every token's K copies spread over all E experts, and the
+    # rows of the EP x ETP group's tokens meet on the devices of their experts.
+    mean_rows = (x_TD.shape[0] * expert_ids_TK.shape[1] * axes.num_expert_shards
+                 * axes.num_tensor_shards / num_experts)
+    capacity = block_capacity(mean_rows, gemms.block_factor)
+    expert_fn = lambda x_XD, sizes_E: blocked_expert_ffn(
+        x_XD, sizes_E, experts, capacity, gemms.batched, gemms.grouped, activation)
+  else:
+    expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, experts, gemms.grouped, activation)
   y_TD = DISPATCHERS[cfg.dispatcher](x_TD, expert_ids_TK, weights_TK, num_local, axes, expert_fn,
-                                     max_rows)
+                                     max_rows, fp8_dispatch)
   return y_TD, dropped
 
 
@@ -127,14 +170,15 @@ _NO_AXES = ExpertAxes(tokens=(), expert=(), tensor=(), num_expert_shards=1, num_
 
 
 def local_experts(cfg: MoEConfig, x_TD, expert_ids_TK, weights_TK, experts: dict[str, jax.Array],
-                  gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
-  """Dispatch, expert FFN and combine with all tokens and experts in one place."""
-  return _experts_on_shard(cfg, _NO_AXES, x_TD, expert_ids_TK, weights_TK, experts, gemm)
+                  gemms: ExpertGemms, fp8_dispatch: bool = False) -> tuple[jax.Array, jax.Array]:
+  """Dispatch, expert FFN and combine with all tokens and experts in one place (nothing crosses
+  devices, so `fp8_dispatch` changes nothing)."""
+  return _experts_on_shard(cfg, _NO_AXES, x_TD, expert_ids_TK, weights_TK, experts, gemms, False)
 
 
 def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_TK: jax.Array,
                     weights_TK: jax.Array, experts: dict[str, jax.Array],
-                    gemm: GroupedGemm) -> tuple[jax.Array, jax.Array]:
+                    gemms: ExpertGemms, fp8_dispatch: bool = False) -> tuple[jax.Array, jax.Array]:
   """Dispatch, expert FFN and combine for tokens split over every device of `layout`.
 
   Returns the output and the fraction of routed copies dropped for capacity (0 when dropless).
@@ -142,7 +186,8 @@ def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_
   axes = layout.expert_axes
 
   def body(x_TD, expert_ids_TK, weights_TK, experts):
-    y_TD, dropped = _experts_on_shard(cfg, axes, x_TD, expert_ids_TK, weights_TK, experts, gemm)
+    y_TD, dropped = _experts_on_shard(cfg, axes, x_TD, expert_ids_TK, weights_TK, experts, gemms,
+                                      fp8_dispatch)
     return y_TD, jax.lax.pmean(dropped, axes.tokens)
 
   tokens = P(axes.tokens)
@@ -152,5 +197,5 @@ def sharded_experts(layout: Layout, cfg: MoEConfig, x_TD: jax.Array, expert_ids_
   return jax.shard_map(
       body, mesh=layout.mesh,
       in_specs=(tokens, tokens, tokens, {k: specs[k] for k in experts}),
-      out_specs=(tokens, P()), check_vma=tracks_varying_axes(gemm))(
+      out_specs=(tokens, P()), check_vma=tracks_varying_axes(gemms.grouped))(
           x_TD, expert_ids_TK, weights_TK, experts)

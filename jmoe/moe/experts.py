@@ -6,17 +6,24 @@ sum(group_sizes_E) belong to no expert and give zeros. Backends share this one s
   ragged_dot  XLA's `jax.lax.ragged_dot` (any platform; on GPUs it expands to dense work)
   dense       a reference einsum over all experts with a row-to-expert mask (exact, E times the work)
 `auto` picks tokamax on GPUs where it imports, and ragged_dot elsewhere.
+
+With `precision.gemm = "fp8"` each backend runs its GEMMs on float8 operands with row-wise scales
+(`jmoe.model.fp8.grouped_fp8`), from the float8 kernels in `FP8_KERNELS`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+
+from jmoe.model.fp8 import RaggedKernels, batched_fp8, grouped_fp8, row_groups
 
 log = logging.getLogger("jmoe")
 
@@ -93,8 +100,74 @@ def auto_gemm() -> str:
   return "tokamax"
 
 
-def grouped_gemm(name: str) -> GroupedGemm:
-  return GEMM_BACKENDS[auto_gemm() if name == "auto" else name]
+# Float8 kernels: the forward grouped GEMM and the weight gradient's ragged contraction, with
+# float8 operands and bfloat16 results.
+_RAGGED_CONTRACT = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+def _ragged_dot_f8(x_XK, w_EKN, group_sizes_E):
+  return jax.lax.ragged_dot(x_XK, w_EKN, group_sizes_E, preferred_element_type=jnp.bfloat16)
+
+
+def _ragged_contract_f8(x_XK, y_XN, group_sizes_E):
+  return jax.lax.ragged_dot_general(x_XK, y_XN, group_sizes_E, _RAGGED_CONTRACT,
+                                    preferred_element_type=jnp.bfloat16)
+
+
+def _members(group_sizes_E, num_rows):
+  ends_E = jnp.cumsum(group_sizes_E)
+  rows_X1 = jnp.arange(num_rows)[:, None]
+  return (rows_X1 >= ends_E - group_sizes_E) & (rows_X1 < ends_E)
+
+
+def _dense_f8(x_XK, w_EKN, group_sizes_E):
+  y_XEN = jnp.einsum("xk,ekn->xen", x_XK, w_EKN, preferred_element_type=jnp.float32)
+  return jnp.einsum("xen,xe->xn", y_XEN, _members(group_sizes_E, x_XK.shape[0]).astype(
+      jnp.float32)).astype(jnp.bfloat16)
+
+
+def _dense_contract_f8(x_XK, y_XN, group_sizes_E):
+  member_XE1 = _members(group_sizes_E, x_XK.shape[0])[:, :, None]
+  y_XEN = jnp.where(member_XE1, y_XN[:, None, :], jnp.zeros((), y_XN.dtype))
+  return jnp.einsum("xk,xen->ekn", x_XK, y_XEN, preferred_element_type=jnp.bfloat16)
+
+
+# tokamax has none for Hopper: its sm90 grouped GEMM takes bf16/f16 operands only (float8 weights
+# are dequantized in the kernel, which needs a newer ptxas than jax's CUDA 13 wheels bring).
+FP8_KERNELS: dict[str, RaggedKernels] = {
+    "ragged_dot": RaggedKernels(_ragged_dot_f8, _ragged_contract_f8),
+    "dense": RaggedKernels(_dense_f8, _dense_contract_f8),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertGemms:
+  """How the experts multiply: the grouped GEMM, and the batched GEMM for per-expert blocks
+  (used when `block_factor` > 0; see `blocked_expert_ffn`)."""
+  grouped: GroupedGemm
+  batched: BatchedGemm
+  block_factor: float = 0.0
+
+
+def expert_gemms(cfg, fp8_grad_format: str | None = None) -> ExpertGemms:
+  """The MoE config's GEMMs, in FP8 (gradients in `fp8_grad_format`) when that is given."""
+  return ExpertGemms(grouped_gemm(cfg.gemm, fp8_grad_format), batched_gemm(fp8_grad_format),
+                     cfg.expert_blocks)
+
+
+@functools.cache
+def grouped_gemm(name: str, fp8_grad_format: str | None = None) -> GroupedGemm:
+  """The backend's grouped GEMM; in FP8 (gradients in `fp8_grad_format`) when that is given."""
+  name = auto_gemm() if name == "auto" else name
+  if fp8_grad_format is None:
+    return GEMM_BACKENDS[name]
+  if name not in FP8_KERNELS:
+    log.warning("moe.gemm=%s has no FP8 grouped GEMM on this GPU, so its grouped GEMMs stay in "
+                "bf16; moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
+    return GEMM_BACKENDS[name]
+  return grouped_fp8(FP8_KERNELS[name], fp8_grad_format)
 
 
 GatedActivation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> hidden
@@ -116,7 +189,7 @@ def gated_activation(cfg) -> GatedActivation:
 
 def _row_bias(b_EF: jax.Array, group_sizes_E: jax.Array, num_rows: int) -> jax.Array:
   """Each row's expert's bias; rows past the groups (no expert) get zeros."""
-  expert_X = jnp.searchsorted(jnp.cumsum(group_sizes_E), jnp.arange(num_rows), side="right")
+  expert_X = row_groups(group_sizes_E, num_rows)
   return jnp.take(b_EF, expert_X, axis=0, mode="fill", fill_value=0)
 
 
@@ -138,3 +211,82 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[str, jax
   if "b_out_ED" in weights:
     y_XD = y_XD + _row_bias(weights["b_out_ED"], group_sizes_E, num_rows)
   return y_XD
+
+
+# --- per-expert blocks: batched GEMMs, with the rows past a block through the grouped GEMM ---
+
+BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECK, w_EKN) -> y_ECN
+
+
+@functools.cache
+def batched_gemm(fp8_grad_format: str | None = None) -> BatchedGemm:
+  if fp8_grad_format is None:
+    return lambda x_ECK, w_EKN: jnp.einsum("eck,ekn->ecn", x_ECK, w_EKN)
+  return batched_fp8(fp8_grad_format)
+
+
+def block_capacity(mean_rows_per_expert: float, factor: float) -> int:
+  """Rows in each expert's block: `factor` times the mean, rounded up to a multiple of 16."""
+  return max(16, -(-math.ceil(factor * mean_rows_per_expert) // 16) * 16)
+
+
+def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[str, jax.Array],
+                       capacity: int, batched: BatchedGemm, grouped: GroupedGemm,
+                       activation: GatedActivation) -> jax.Array:
+  """`expert_ffn` with each expert's first `capacity` rows in a block of its own, so the GEMMs are
+  one batched GEMM over experts (XLA's cuBLAS call, which also runs FP8); the rows an expert has
+  past its block (none when routing is balanced within the capacity) go through `expert_ffn` with
+  the grouped GEMM. Dropless either way.
+  """
+  num_rows = x_XD.shape[0]
+  num_experts = group_sizes_E.shape[0]
+  starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+  slot_C = jnp.arange(capacity)
+  in_block_EC = slot_C < group_sizes_E[:, None]
+  source_EC = jnp.where(in_block_EC, starts_E[:, None] + slot_C, num_rows)  # num_rows: empty slot
+  x_ECD = jnp.take(x_XD, source_EC, axis=0, mode="fill", fill_value=0)
+  y_ECD = _block_ffn(x_ECD, weights, batched, activation)
+
+  expert_X = row_groups(group_sizes_E, num_rows)
+  rank_X = jnp.arange(num_rows) - jnp.take(starts_E, expert_X, mode="fill", fill_value=num_rows)
+  in_block_X = (expert_X < num_experts) & (rank_X < capacity)
+  y_XD = jnp.take(y_ECD.reshape(num_experts * capacity, -1),
+                  jnp.where(in_block_X, expert_X * capacity + rank_X, num_experts * capacity),
+                  axis=0, mode="fill", fill_value=0)
+
+  # The overflow: row j holds row starts[e] + capacity + (j - over_starts[e]) of its expert e. Its
+  # buffer is as long as x (the worst case); the grouped GEMM's work follows the rows in groups.
+  over_E = jnp.maximum(group_sizes_E - capacity, 0)
+  over_starts_E = jnp.cumsum(over_E) - over_E
+  expert_J = row_groups(over_E, num_rows)
+  source_J = (jnp.take(starts_E - over_starts_E, expert_J, mode="fill", fill_value=num_rows)
+              + capacity + jnp.arange(num_rows))
+  over_X = (expert_X < num_experts) & (rank_X >= capacity)
+  target_X = jnp.take(over_starts_E, expert_X, mode="fill", fill_value=0) + rank_X - capacity
+
+  def overflow(x_XD):
+    y_JD = expert_ffn(jnp.take(x_XD, source_J, axis=0, mode="fill", fill_value=0), over_E,
+                      weights, grouped, activation)
+    return jnp.take(y_JD, jnp.where(over_X, target_X, num_rows), axis=0, mode="fill",
+                    fill_value=0).astype(x_XD.dtype)
+
+  # The grouped GEMM's cost follows its buffer's length, not the rows in it, so on GPUs it is
+  # skipped when no expert overflows. On CPUs it always runs: XLA's CPU runtime can deadlock on a
+  # data-dependent conditional beside collectives when many devices share few cores.
+  skip = lambda x_XD: jax.lax.cond(jnp.sum(over_E) > 0, overflow, jnp.zeros_like, x_XD)
+  y_over_XD = jax.lax.platform_dependent(x_XD, cpu=overflow, default=skip)
+  return y_XD + y_over_XD.astype(y_XD.dtype)
+
+
+def _block_ffn(x_ECD, weights, batched: BatchedGemm, activation: GatedActivation):
+  w_in_ED2F, w_out_EFD = weights["w_in_ED2F"], weights["w_out_EFD"]
+  num_experts, d_model, _, d_ff = w_in_ED2F.shape
+  h_EC2F = batched(x_ECD, w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff))
+  h_EC2F = h_EC2F.reshape(*h_EC2F.shape[:2], 2, d_ff)
+  if "b_in_E2F" in weights:
+    h_EC2F = h_EC2F + weights["b_in_E2F"][:, None]
+  hidden_ECF = checkpoint_name(activation(h_EC2F[..., 0, :], h_EC2F[..., 1, :]), "expert_hidden")
+  y_ECD = batched(hidden_ECF, w_out_EFD)
+  if "b_out_ED" in weights:
+    y_ECD = y_ECD + weights["b_out_ED"][:, None]
+  return y_ECD

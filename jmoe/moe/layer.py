@@ -8,10 +8,11 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import MoEConfig
+from jmoe.model.fp8 import Fp8Recipe
 from jmoe.model.layers import param
 from jmoe.model.mlp import SwiGLU
 from jmoe.moe.exchange import local_experts, sharded_experts
-from jmoe.moe.experts import grouped_gemm
+from jmoe.moe.experts import expert_gemms
 from jmoe.moe.route import RouterStats, route
 from jmoe.parallel import active_layout
 
@@ -29,9 +30,10 @@ def bias_step(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
 class MoE(nnx.Module):
 
   def __init__(self, d_model: int, cfg: MoEConfig, std: float, *, param_dtype, dtype,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
     self.cfg = cfg
     self.dtype = dtype
+    self.fp8 = fp8
     e, f = cfg.num_experts, cfg.d_ff_expert
     self.router_DE = param(rngs, (d_model, e), ("embed", None), std=std, dtype=param_dtype)
     self.router_bias_E = (param(rngs, (e,), (None,), std=0, dtype=param_dtype, decay=False)
@@ -48,7 +50,7 @@ class MoE(nnx.Module):
     self.b_out_ED = bias((e, d_model), ("expert", None))
     self.shared = (
         SwiGLU(d_model, cfg.num_shared_experts * f, std, param_dtype=param_dtype, dtype=dtype,
-               rngs=rngs)
+               rngs=rngs, fp8=fp8)
         if cfg.num_shared_experts else None)
 
   def __call__(self, x_BSD: jax.Array, rng: jax.Array | None = None
@@ -63,8 +65,10 @@ class MoE(nnx.Module):
     experts = {name: getattr(self, name)[...].astype(self.dtype)
                for name in ("w_in_ED2F", "w_out_EFD", "b_in_E2F", "b_out_ED")
                if getattr(self, name) is not None}
-    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK, experts,
-            grouped_gemm(self.cfg.gemm))
+    fp8 = self.fp8
+    gemms = expert_gemms(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
+    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK, experts, gemms,
+            bool(fp8 and fp8.dispatch))
     with jax.named_scope("dispatch_experts_combine"):
       y_TD, dropped = local_experts(*args) if layout is None else sharded_experts(layout, *args)
     y_BSD = y_TD.reshape(batch, seq, d_model)

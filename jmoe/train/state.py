@@ -11,6 +11,7 @@ import optax
 from flax import nnx, struct
 
 from jmoe.config import Config
+from jmoe.model.fp8 import recipe_from_config
 from jmoe.model.transformer import Transformer
 from jmoe.parallel import Layout
 
@@ -32,6 +33,7 @@ def model_factory(config: Config, seed: int | None = None) -> Callable[[], Trans
   def build() -> Transformer:
     return Transformer(config.model, config.moe, param_dtype=DTYPES[config.precision.params],
                        dtype=DTYPES[config.precision.compute], remat=config.train.remat,
+                       fp8=recipe_from_config(config.precision),
                        rngs=nnx.Rngs(params=seed))
 
   return build

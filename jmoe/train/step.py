@@ -10,6 +10,7 @@ import optax
 from flax import nnx
 
 from jmoe.config import Config
+from jmoe.model.fp8 import Fp8History
 from jmoe.train.loss import (balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss,
                              target_masks)
 from jmoe.train.state import TrainState
@@ -64,7 +65,14 @@ def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
 def make_train_step(graphdef: nnx.GraphDef, config: Config,
                     optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple]:
-  grad_fn = jax.value_and_grad(make_loss_fn(graphdef, config), has_aux=True)
+  loss_fn = make_loss_fn(graphdef, config)
+
+  def split_loss(params, histories, others, *args):
+    return loss_fn(params, nnx.merge_state(histories, others), *args)
+
+  # FP8 delayed scaling: the backward pass hands each amax history's next value out as its
+  # "gradient" (jmoe/model/fp8.py), so the histories are differentiated alongside the parameters.
+  grad_fn = jax.value_and_grad(split_loss, argnums=(0, 1), has_aux=True)
   micro = config.train.micro_batch_size or config.train.batch_size
   num_micro = config.train.batch_size // micro
 
@@ -75,30 +83,36 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     counts = target_counts(batch, config.model.mtp_depth)
     rng = jax.random.fold_in(step_key, state.step)
 
+    histories, others = nnx.split_state(state.rest, Fp8History, ...)
+
     def one(micro_batch, index):
-      (loss, metrics), grads = grad_fn(state.params, state.rest, micro_batch, counts, num_micro,
-                                       jax.random.fold_in(rng, index))
-      return grads, {"loss": loss, **metrics}
+      (loss, metrics), (grads, new_histories) = grad_fn(
+          state.params, histories, others, micro_batch, counts, num_micro,
+          jax.random.fold_in(rng, index))
+      return grads, new_histories, {"loss": loss, **metrics}
 
     if num_micro == 1:
-      grads, metrics = one(batch, 0)
+      grads, histories, metrics = one(batch, 0)
     else:
       micro_batches = jax.tree.map(lambda x: x.reshape(num_micro, micro, *x.shape[1:]), batch)
 
       def accumulate(carry, xs):
-        grads, metrics = one(*xs)
-        return jax.tree.map(jnp.add, carry, (grads, metrics)), None
+        grads, new_histories, metrics = one(*xs)
+        # Every micro-batch pushes onto the same history: the largest of their amaxes is kept.
+        return (jax.tree.map(jnp.add, carry[0], grads), jax.tree.map(jnp.maximum, carry[1],
+                                                                      new_histories),
+                jax.tree.map(jnp.add, carry[2], metrics)), None
 
       zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
           one, jax.tree.map(lambda x: x[0], micro_batches), 0))
-      (grads, metrics), _ = jax.lax.scan(accumulate, zeros,
-                                         (micro_batches, jnp.arange(num_micro)))
+      (grads, histories, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                                    (micro_batches, jnp.arange(num_micro)))
 
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    rest = state.rest
+    rest = nnx.merge_state(histories, others)
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
       model = nnx.merge(graphdef, params, rest)
       model.update_expert_bias(metrics["expert_load"], bias_rate)

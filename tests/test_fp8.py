@@ -1,0 +1,232 @@
+"""FP8 GEMMs against float32 and against an exact emulation of the quantization in NumPy; delayed
+scaling's state; per-expert blocks against the grouped GEMM; FP8 training against bf16."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jmoe.config import ConfigError
+from jmoe.model.fp8 import Fp8Dot, Fp8Recipe, batched_fp8, fp8_dot, grouped_fp8
+from jmoe.moe.experts import (FP8_KERNELS, GEMM_BACKENDS, batched_gemm, blocked_expert_ffn,
+                              expert_ffn, gated_activation)
+from jmoe.train.loop import train
+from helpers import tiny_config
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def emulate(x, dtype, amax=None):
+  """x rounded through `dtype` with the per-tensor scale amax / max(dtype), in float64."""
+  x = np.asarray(x, np.float32)
+  scale = np.float32(np.abs(x).max() if amax is None else amax) / np.float32(
+      ml_dtypes.finfo(dtype).max)
+  limit = np.float32(ml_dtypes.finfo(dtype).max)
+  q = np.clip(x / scale, -limit, limit).astype(dtype).astype(np.float64)
+  return q * np.float64(scale)
+
+
+def data(*shapes, seed=0):
+  keys = jax.random.split(jax.random.key(seed), len(shapes))
+  return [jax.random.normal(k, s, jnp.float32) * (1 + i) for i, (k, s) in enumerate(zip(keys, shapes))]
+
+
+# FP8's own rounding: E4M3 keeps 3 mantissa bits (relative step 2^-3), E5M2 2; over a dot product of
+# K random terms the errors average out to a few percent of the result's norm. A bf16 GEMM would
+# be ~0.3% off, a wrong scale (a factor of 2) 50% or more.
+FWD_TOL, GRAD_TOL = 0.05, 0.12
+
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe(grad_format="e4m3")])
+def test_dense_fp8_gemm_matches_an_emulation_and_float32(recipe):
+  x, w, dy = data((6, 10, 64), (64, 4, 8), (6, 10, 4, 8))
+  site = Fp8Dot(recipe)
+  y, vjp = jax.vjp(lambda x, w: site(x, w, 1), x, w)
+  dx, dw = vjp(dy)
+  xe, we = emulate(x, E4M3), emulate(w, E4M3)
+  dye = emulate(dy, E5M2 if recipe.grad_format == "e5m2" else E4M3)
+  np.testing.assert_allclose(y, np.einsum("bsd,dhk->bshk", xe, we), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(dx, np.einsum("bshk,dhk->bsd", dye, we), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(dw, np.einsum("bsd,bshk->dhk", xe, dye), rtol=2e-5, atol=2e-5)
+  # and against float32, within what FP8 rounding allows
+  ref_y, ref_vjp = jax.vjp(lambda x, w: jnp.einsum("bsd,dhk->bshk", x, w), x, w)
+  assert 1e-3 < rel(y, ref_y) < FWD_TOL
+  for got, want in zip((dx, dw), ref_vjp(dy)):
+    assert 1e-3 < rel(got, want) < GRAD_TOL
+
+
+def test_dense_fp8_contracting_two_axes():
+  x, w = data((3, 5, 4, 8), (4, 8, 16))
+  y = Fp8Dot(Fp8Recipe())(x, w, 2)
+  np.testing.assert_allclose(y, np.einsum("bsha,had->bsd", emulate(x, E4M3), emulate(w, E4M3)),
+                             rtol=2e-5, atol=2e-5)
+
+
+def test_delayed_scaling_uses_the_history_and_pushes_this_steps_amax():
+  x, w, dy = data((32, 16), (16, 8), (32, 8))
+  site = Fp8Dot(Fp8Recipe(delayed=True, history=4))
+  # A fresh (all-zero) history scales by 1.
+  y0 = site(x, w, 1)
+  ones = lambda a, dtype: np.clip(np.asarray(a, np.float32), -448, 448).astype(dtype).astype(
+      np.float64)
+  np.testing.assert_allclose(y0, ones(x, E4M3) @ ones(w, E4M3), rtol=2e-5, atol=2e-5)
+  # With amaxes recorded, the scale is the history's maximum, not the current amax.
+  history = np.zeros((3, 4), np.float32)
+  history[:, 2] = [3.0 * np.abs(x).max(), 0.5 * np.abs(w).max(), 7.0]
+  y, vjp = jax.vjp(lambda x, w, h: fp8_dot(x, w, h, site.recipe, 1), x, w, jnp.asarray(history))
+  np.testing.assert_allclose(
+      y, emulate(x, E4M3, amax=history[0, 2]) @ emulate(w, E4M3, amax=history[1, 2]),
+      rtol=2e-5, atol=2e-5)  # w saturates at half its amax: delayed scaling clips
+  _, _, new_history = vjp(dy)
+  np.testing.assert_allclose(new_history[:, 0], [np.abs(x).max(), np.abs(w).max(),
+                                                 np.abs(dy).max()], rtol=1e-6)
+  np.testing.assert_array_equal(new_history[:, 1:], history[:, :-1])
+
+
+def reference_grouped(x, w, sizes):
+  ends = np.cumsum(sizes)
+  y = np.zeros((x.shape[0], w.shape[2]))
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    y[start:end] = np.asarray(x[start:end], np.float64) @ np.asarray(w[e], np.float64)
+  return y
+
+
+@pytest.mark.parametrize("kernels", sorted(FP8_KERNELS))
+def test_grouped_fp8_gemm_against_float32_loop(kernels):
+  sizes = np.array([5, 0, 9, 3, 7])  # an expert with no rows, and rows past the groups
+  x, w, dy = data((30, 32), (5, 32, 24), (30, 24), seed=1)
+  gemm = grouped_fp8(FP8_KERNELS[kernels])
+  y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
+  dx, dw = vjp(dy)
+  rows = sizes.sum()
+  ref_y, ref_vjp = jax.vjp(lambda x, w: GEMM_BACKENDS["ragged_dot"](x, w, jnp.asarray(sizes)), x, w)
+  ref_dx, ref_dw = ref_vjp(dy)
+  np.testing.assert_allclose(ref_y[:rows], reference_grouped(x, w, sizes)[:rows], rtol=1e-4,
+                             atol=1e-4)
+  assert 1e-3 < rel(y[:rows], ref_y[:rows]) < FWD_TOL
+  assert 1e-3 < rel(dx[:rows], ref_dx[:rows]) < GRAD_TOL
+  assert 1e-3 < rel(dw, ref_dw) < GRAD_TOL
+  np.testing.assert_array_equal(y[rows:], 0)
+  np.testing.assert_array_equal(dx[rows:], 0)
+  np.testing.assert_array_equal(dw[1], 0)
+
+
+def test_batched_fp8_gemm_against_float32():
+  x, w, dy = data((4, 16, 32), (4, 32, 24), (4, 16, 24), seed=2)
+  y, vjp = jax.vjp(batched_fp8("e5m2"), x, w)
+  ref_y, ref_vjp = jax.vjp(batched_gemm(None), x, w)
+  assert 1e-3 < rel(y, ref_y) < FWD_TOL
+  for got, want in zip(vjp(dy), ref_vjp(dy)):
+    assert 1e-3 < rel(got, want) < GRAD_TOL
+
+
+@pytest.mark.parametrize("capacity", [16, 32, 64])
+def test_expert_blocks_compute_what_the_grouped_gemm_does(capacity):
+  # capacity 16: most experts overflow their blocks; 64: every row fits
+  sizes = jnp.asarray([20, 0, 33, 1, 17, 16])
+  x, w_in, w_out, dy = data((100, 8), (6, 8, 2, 12), (6, 12, 8), (100, 8), seed=3)
+  act = gated_activation(tiny_config().moe)
+  grouped = GEMM_BACKENDS["ragged_dot"]
+
+  def run(fn):
+    return jax.vjp(lambda x, w_in, w_out: fn(x, {"w_in_ED2F": w_in, "w_out_EFD": w_out}),
+                   x, w_in, w_out)
+
+  y, vjp = run(lambda x, ws: blocked_expert_ffn(x, sizes, ws, capacity, batched_gemm(None),
+                                                 grouped, act))
+  ref_y, ref_vjp = run(lambda x, ws: expert_ffn(x, sizes, ws, grouped, act))
+  for got, want in zip((y, *vjp(dy)), (ref_y, *ref_vjp(dy))):  # float32 rounding only
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+def test_blackwell_formats_are_refused_with_a_plan():
+  for fmt in ("mxfp8", "nvfp4"):
+    with pytest.raises(ConfigError, match=f"precision.gemm={fmt} .*Blackwell.*docs/FP8.md"):
+      tiny_config(precision=dict(gemm=fmt))
+  with pytest.raises(ConfigError, match="fp8_recipe"):
+    tiny_config(precision=dict(gemm="fp8", fp8_recipe="sometimes"))
+
+
+def losses(workdir):
+  return [json.loads(line)["loss"] for line in open(workdir / "metrics.jsonl")]
+
+
+FP8_DELAYED = dict(params="float32", compute="bfloat16", gemm="fp8", fp8_recipe="delayed",
+                   fp8_amax_history=4)
+
+
+def test_delayed_scaling_history_is_checkpointed_and_resumes_exactly(tmp_path):
+  whole = tiny_config(precision=FP8_DELAYED, train=dict(steps=4, log_every=1, warmup_steps=1),
+                      checkpoint=dict(every=2, async_save=False))
+  train(whole, tmp_path / "whole", progress=False, devices=jax.devices()[:2])
+  shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+  train(whole, tmp_path / "resumed", progress=False, devices=jax.devices()[:2])  # from step 2
+  np.testing.assert_allclose(losses(tmp_path / "resumed"), losses(tmp_path / "whole"), rtol=1e-6)
+  # Resuming with empty histories would scale step 3 by 1: the losses would differ.
+  from jmoe.checkpoint.manager import Checkpointer
+  from jmoe.parallel import make_layout
+  from jmoe.train.optimizer import make_optimizer
+  from jmoe.train.state import state_spec
+  spec = state_spec(whole, make_layout(whole.parallel, jax.devices()[:2]),
+                    make_optimizer(whole.train))
+  state, _ = Checkpointer(tmp_path / "whole" / "checkpoints", 3, async_save=False).restore(
+      4, spec.abstract, spec.shardings)
+  histories = [np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(state.rest)
+               if "history_3H" in jax.tree_util.keystr(path)]
+  assert histories
+  for h in histories:  # [layers..., 3, 4]: four steps recorded, the newest first
+    assert np.all(h[..., :, :4] > 0), h
+
+
+def test_fp8_training_follows_bf16(tmp_path):
+  """300 steps of the tiny model: each FP8 recipe's final loss within 2% of the bf16 run's."""
+  common = dict(train=dict(steps=300, log_every=10, lr=3e-3, warmup_steps=10),
+                moe=dict(expert_blocks=1.25))
+  base = dict(params="float32", compute="bfloat16")
+  end = {}
+  for name, precision in [("bf16", {}), ("current", dict(gemm="fp8")),
+                          ("delayed", dict(gemm="fp8", fp8_recipe="delayed"))]:
+    records = train(tiny_config(precision=dict(base, **precision), **common), tmp_path / name,
+                    progress=False, devices=jax.devices()[:1])
+    end[name] = np.mean([r["loss"] for r in records[-3:]])
+    if name == "bf16":
+      assert end[name] < records[0]["loss"] - 2.0  # it learned
+  print("final losses", end)
+  for name in ("current", "delayed"):
+    assert abs(end[name] - end["bf16"]) < 0.02 * end["bf16"], end
+
+
+EP4 = dict(dense=dict(data=1, fsdp=-1), expert=dict(expert=4, data=-1))
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_fp8_on_an_expert_parallel_layout_and_fp8_dispatch(dispatcher):
+  from test_train import first_step
+  fp8 = dict(params="float32", compute="bfloat16", gemm="fp8")
+  moe = dict(dispatcher=dispatcher, expert_blocks=1.25)
+  one, _ = first_step(tiny_config(precision=fp8, moe=moe), jax.devices()[:1])
+  # Row and expert scales do not depend on the layout: the sharded step computes the same loss, up
+  # to the bf16 rounding of sharded sums (FP8 itself moves this loss by ~1e-3).
+  sharded, _ = first_step(tiny_config(precision=dict(fp8, fp8_dispatch=True), moe=moe,
+                                      parallel=EP4), jax.devices())
+  np.testing.assert_allclose(sharded["loss"], one["loss"], rtol=2e-4)
+  np.testing.assert_allclose(sharded["grad_norm"], one["grad_norm"], rtol=1e-2)
+  # With bf16 experts, the float8 rows that crossed the exchange change the loss, within FP8's
+  # rounding, and the gradient still flows back through it.
+  bf16_experts = dict(fp8, fp8_experts=False)
+  plain, _ = first_step(tiny_config(precision=bf16_experts, moe=moe, parallel=EP4), jax.devices())
+  moved, _ = first_step(tiny_config(precision=dict(bf16_experts, fp8_dispatch=True), moe=moe,
+                                    parallel=EP4), jax.devices())
+  assert moved["loss"] != plain["loss"]
+  np.testing.assert_allclose(moved["loss"], plain["loss"], rtol=5e-3)
+  np.testing.assert_allclose(moved["grad_norm"], plain["grad_norm"], rtol=5e-2)
