@@ -230,3 +230,13 @@ def test_fp8_on_an_expert_parallel_layout_and_fp8_dispatch(dispatcher):
   assert moved["loss"] != plain["loss"]
   np.testing.assert_allclose(moved["loss"], plain["loss"], rtol=5e-3)
   np.testing.assert_allclose(moved["grad_norm"], plain["grad_norm"], rtol=5e-2)
+
+
+def test_a_bf16_model_starts_an_fp8_delayed_run(tmp_path):
+  """load_params reads the model only; the FP8 amax histories start empty."""
+  bf16 = tiny_config(train=dict(steps=1, warmup_steps=0))
+  first = train(bf16, tmp_path / "bf16", progress=False, devices=jax.devices()[:1])
+  fp8 = tiny_config(train=dict(steps=1, warmup_steps=0), precision=FP8_DELAYED,
+                    checkpoint=dict(load_params=str(tmp_path / "bf16")))
+  loaded = train(fp8, tmp_path / "fp8", progress=False, devices=jax.devices()[:1])
+  assert loaded[0]["loss"] < first[0]["loss"] - 0.05  # it starts from the trained model

@@ -9,11 +9,13 @@ import time
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
+from jmoe.model.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import learning_rate, make_optimizer
@@ -135,12 +137,17 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     return step, state, data if data.get("streams") else None
   if config.checkpoint.load_params:
     from jmoe.checkpoint.params import read_variables
-    abstract = nnx.merge_state(spec.abstract.params, spec.abstract.rest)
-    shardings = nnx.merge_state(spec.shardings.params, spec.shardings.rest)
+    # FP8 amax histories are run state, not model: they start empty, whatever the source had.
+    histories, rest = nnx.split_state(spec.abstract.rest, Fp8History, ...)
+    history_shardings, rest_shardings = nnx.split_state(spec.shardings.rest, Fp8History, ...)
+    abstract = nnx.merge_state(spec.abstract.params, rest)
+    shardings = nnx.merge_state(spec.shardings.params, rest_shardings)
     variables = read_variables(config.checkpoint.load_params, abstract, shardings)
     log.info("starting from the model in %s", config.checkpoint.load_params)
     params, rest = nnx.split_state(variables, nnx.Param, ...)
-    return 0, spec.init_from(params, rest), None
+    histories = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), histories,
+                             history_shardings)
+    return 0, spec.init_from(params, nnx.merge_state(rest, histories)), None
   return 0, spec.init(), None
 
 
