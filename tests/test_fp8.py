@@ -240,3 +240,22 @@ def test_a_bf16_model_starts_an_fp8_delayed_run(tmp_path):
                     checkpoint=dict(load_params=str(tmp_path / "bf16")))
   loaded = train(fp8, tmp_path / "fp8", progress=False, devices=jax.devices()[:1])
   assert loaded[0]["loss"] < first[0]["loss"] - 0.05  # it starts from the trained model
+
+
+@pytest.mark.parametrize("taken", [True, False])
+def test_run_if_and_move_rows_differentiate_like_their_plain_forms(taken):
+  from jmoe.moe.experts import move_rows, run_if
+  x, w = data((6, 4), (4, 4), seed=5)
+  source = jnp.asarray([4, 0, 6, 2])  # slot 2 empty (6 is out of range)
+  inverse = jnp.asarray([1, 6, 3, 6, 0, 6])  # rows 1, 3, 5 go nowhere
+  f = lambda x, w: jnp.tanh(move_rows(x, source, inverse) @ w)
+  plain = lambda x, w: jnp.tanh(jnp.take(x, source, axis=0, mode="fill", fill_value=0) @ w)
+
+  def loss(fn, x, w, pred):
+    return jnp.sum(run_if(pred, lambda x, w: jnp.pad(fn(x, w), ((0, 2), (0, 0))), x, w) ** 2)
+
+  got = jax.jit(jax.value_and_grad(lambda x, w: loss(f, x, w, jnp.asarray(taken)), (0, 1)))(x, w)
+  want = jax.value_and_grad(lambda x, w: jnp.sum(jnp.pad(plain(x, w), ((0, 2), (0, 0))) ** 2)
+                            * taken, (0, 1))(x, w)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -241,41 +241,82 @@ def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[
   num_rows = x_XD.shape[0]
   num_experts = group_sizes_E.shape[0]
   starts_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-  slot_C = jnp.arange(capacity)
-  in_block_EC = slot_C < group_sizes_E[:, None]
-  source_EC = jnp.where(in_block_EC, starts_E[:, None] + slot_C, num_rows)  # num_rows: empty slot
-  x_ECD = jnp.take(x_XD, source_EC, axis=0, mode="fill", fill_value=0)
-  y_ECD = _block_ffn(x_ECD, weights, batched, activation)
-
   expert_X = row_groups(group_sizes_E, num_rows)
   rank_X = jnp.arange(num_rows) - jnp.take(starts_E, expert_X, mode="fill", fill_value=num_rows)
+  # Block slot e * capacity + c holds row starts[e] + c; num_rows marks an empty slot, and
+  # num_experts * capacity a row in no block.
+  slot_C = jnp.arange(capacity)
+  source_S = jnp.where(slot_C < group_sizes_E[:, None], starts_E[:, None] + slot_C,
+                       num_rows).reshape(-1)
   in_block_X = (expert_X < num_experts) & (rank_X < capacity)
-  y_XD = jnp.take(y_ECD.reshape(num_experts * capacity, -1),
-                  jnp.where(in_block_X, expert_X * capacity + rank_X, num_experts * capacity),
-                  axis=0, mode="fill", fill_value=0)
+  slot_X = jnp.where(in_block_X, expert_X * capacity + rank_X, num_experts * capacity)
+  x_ECD = move_rows(x_XD, source_S, slot_X).reshape(num_experts, capacity, -1)
+  y_ECD = _block_ffn(x_ECD, weights, batched, activation)
+  y_XD = move_rows(y_ECD.reshape(num_experts * capacity, -1), slot_X, source_S)
 
-  # The overflow: row j holds row starts[e] + capacity + (j - over_starts[e]) of its expert e. Its
-  # buffer is as long as x (the worst case); the grouped GEMM's work follows the rows in groups.
+  # The overflow: its row j holds row starts[e] + capacity + (j - over_starts[e]) of its expert e.
+  # Its buffer is as long as x, the worst case.
   over_E = jnp.maximum(group_sizes_E - capacity, 0)
   over_starts_E = jnp.cumsum(over_E) - over_E
   expert_J = row_groups(over_E, num_rows)
   source_J = (jnp.take(starts_E - over_starts_E, expert_J, mode="fill", fill_value=num_rows)
               + capacity + jnp.arange(num_rows))
+  source_J = jnp.where(expert_J < num_experts, source_J, num_rows)
   over_X = (expert_X < num_experts) & (rank_X >= capacity)
-  target_X = jnp.take(over_starts_E, expert_X, mode="fill", fill_value=0) + rank_X - capacity
+  target_X = jnp.where(over_X, jnp.take(over_starts_E, expert_X, mode="fill", fill_value=0)
+                       + rank_X - capacity, num_rows)
 
-  def overflow(x_XD):
-    y_JD = expert_ffn(jnp.take(x_XD, source_J, axis=0, mode="fill", fill_value=0), over_E,
-                      weights, grouped, activation)
-    return jnp.take(y_JD, jnp.where(over_X, target_X, num_rows), axis=0, mode="fill",
-                    fill_value=0).astype(x_XD.dtype)
+  def overflow(x_XD, weights):
+    y_JD = expert_ffn(move_rows(x_XD, source_J, target_X), over_E, weights, grouped, activation)
+    return move_rows(y_JD, target_X, source_J).astype(x_XD.dtype)
 
   # The grouped GEMM's cost follows its buffer's length, not the rows in it, so on GPUs it is
   # skipped when no expert overflows. On CPUs it always runs: XLA's CPU runtime can deadlock on a
   # data-dependent conditional beside collectives when many devices share few cores.
-  skip = lambda x_XD: jax.lax.cond(jnp.sum(over_E) > 0, overflow, jnp.zeros_like, x_XD)
-  y_over_XD = jax.lax.platform_dependent(x_XD, cpu=overflow, default=skip)
+  skip = lambda x_XD, weights: run_if(jnp.sum(over_E) > 0, overflow, x_XD, weights)
+  y_over_XD = jax.lax.platform_dependent(x_XD, weights, cpu=overflow, default=skip)
   return y_XD + y_over_XD.astype(y_XD.dtype)
+
+
+@jax.custom_vjp
+def move_rows(x_RD: jax.Array, source_S: jax.Array, inverse_R: jax.Array) -> jax.Array:
+  """Rows x[source[s]] (zeros where source[s] is out of range), for a one-to-one `source` whose
+  inverse is `inverse` (row r went to slot inverse[r], out of range if nowhere). Its gradient is
+  the gather by `inverse`: no scatter-add, which is slow on GPUs."""
+  return jnp.take(x_RD, source_S, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_fwd(x_RD, source_S, inverse_R):
+  return move_rows(x_RD, source_S, inverse_R), (source_S, inverse_R)
+
+
+def _move_rows_bwd(residuals, dy_SD):
+  source_S, inverse_R = residuals
+  return jnp.take(dy_SD, inverse_R, axis=0, mode="fill", fill_value=0), None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def run_if(pred: jax.Array, fn: Callable, *args):
+  """fn(*args) when `pred`, else zeros like args[0], for fn returning an array shaped like
+  args[0]. Differentiable with only the inputs kept for the backward pass, which also runs only
+  when `pred` (differentiating `lax.cond` directly would fill the skipped branch's residuals
+  with zeros, a copy as large as the work skipped)."""
+
+  @jax.custom_vjp
+  def run(args):
+    return jax.lax.cond(pred, lambda a: fn(*a), lambda a: jnp.zeros_like(a[0]), args)
+
+  def run_fwd(args):
+    return run(args), args
+
+  def run_bwd(args, dy):
+    zeros = lambda a: jax.tree.map(jnp.zeros_like, a)
+    return (jax.lax.cond(pred, lambda a: jax.vjp(lambda *b: fn(*b), *a)[1](dy), zeros, args),)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(args)
 
 
 def _block_ffn(x_ECD, weights, batched: BatchedGemm, activation: GatedActivation):
