@@ -305,18 +305,19 @@ def run_if(pred: jax.Array, fn: Callable, *args):
   with zeros, a copy as large as the work skipped)."""
 
   @jax.custom_vjp
-  def run(args):
+  def run(pred, args):
     return jax.lax.cond(pred, lambda a: fn(*a), lambda a: jnp.zeros_like(a[0]), args)
 
-  def run_fwd(args):
-    return run(args), args
+  def run_fwd(pred, args):
+    return run(pred, args), (pred, args)
 
-  def run_bwd(args, dy):
+  def run_bwd(residuals, dy):
+    pred, args = residuals
     zeros = lambda a: jax.tree.map(jnp.zeros_like, a)
-    return (jax.lax.cond(pred, lambda a: jax.vjp(lambda *b: fn(*b), *a)[1](dy), zeros, args),)
+    return None, jax.lax.cond(pred, lambda a: jax.vjp(fn, *a)[1](dy), zeros, args)
 
   run.defvjp(run_fwd, run_bwd)
-  return run(args)
+  return run(pred, args)
 
 
 def _block_ffn(x_ECD, weights, batched: BatchedGemm, activation: GatedActivation):
