@@ -157,7 +157,7 @@ def _experts_on_shard(cfg: MoEConfig, axes: ExpertAxes, x_TD, expert_ids_TK, wei
                  * axes.num_tensor_shards / num_experts)
     capacity = block_capacity(mean_rows, gemms.block_factor)
     expert_fn = lambda x_XD, sizes_E: blocked_expert_ffn(
-        x_XD, sizes_E, experts, capacity, gemms.batched, gemms.grouped, activation)
+        x_XD, sizes_E, experts, capacity, gemms.batched, gemms.grouped, activation, axes.tokens)
   else:
     expert_fn = lambda x_XD, sizes_E: expert_ffn(x_XD, sizes_E, experts, gemms.grouped, activation)
   y_TD = DISPATCHERS[cfg.dispatcher](x_TD, expert_ids_TK, weights_TK, num_local, axes, expert_fn,

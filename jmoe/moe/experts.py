@@ -232,7 +232,7 @@ def block_capacity(mean_rows_per_expert: float, factor: float) -> int:
 
 def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[str, jax.Array],
                        capacity: int, batched: BatchedGemm, grouped: GroupedGemm,
-                       activation: GatedActivation) -> jax.Array:
+                       activation: GatedActivation, devices: tuple[str, ...] = ()) -> jax.Array:
   """`expert_ffn` with each expert's first `capacity` rows in a block of its own, so the GEMMs are
   one batched GEMM over experts (XLA's cuBLAS call, which also runs FP8); the rows an expert has
   past its block (none when routing is balanced within the capacity) go through `expert_ffn` with
@@ -266,15 +266,18 @@ def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: dict[
   target_X = jnp.where(over_X, jnp.take(over_starts_E, expert_X, mode="fill", fill_value=0)
                        + rank_X - capacity, num_rows)
 
-  def overflow(x_XD, weights):
+  def overflow(x_XD, weights, rows):
+    source_J, target_X, over_E = rows
     y_JD = expert_ffn(move_rows(x_XD, source_J, target_X), over_E, weights, grouped, activation)
     return move_rows(y_JD, target_X, source_J).astype(x_XD.dtype)
 
-  # The grouped GEMM's cost follows its buffer's length, not the rows in it, so on GPUs it is
-  # skipped when no expert overflows. On CPUs it always runs: XLA's CPU runtime can deadlock on a
-  # data-dependent conditional beside collectives when many devices share few cores.
-  skip = lambda x_XD, weights: run_if(jnp.sum(over_E) > 0, overflow, x_XD, weights)
-  y_over_XD = jax.lax.platform_dependent(x_XD, weights, cpu=overflow, default=skip)
+  # The grouped GEMM's cost follows its buffer's length, not the rows in it, so it is skipped
+  # when no expert overflows on any device (`devices`: the mesh axes to agree over; every device
+  # takes the same branch, so collectives XLA schedules around the branch stay matched).
+  overflows = jnp.sum(over_E) > 0
+  if devices:
+    overflows = jax.lax.pmax(overflows.astype(jnp.int32), devices) > 0
+  y_over_XD = run_if(overflows, overflow, x_XD, weights, (source_J, target_X, over_E))
   return y_XD + y_over_XD.astype(y_XD.dtype)
 
 
@@ -298,26 +301,32 @@ def _move_rows_bwd(residuals, dy_SD):
 move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
 
 
-def run_if(pred: jax.Array, fn: Callable, *args):
-  """fn(*args) when `pred`, else zeros like args[0], for fn returning an array shaped like
-  args[0]. Differentiable with only the inputs kept for the backward pass, which also runs only
-  when `pred` (differentiating `lax.cond` directly would fill the skipped branch's residuals
-  with zeros, a copy as large as the work skipped)."""
+def run_if(pred: jax.Array, fn: Callable, x, differentiable, constant):
+  """fn(x, differentiable, constant) when `pred`, else zeros like x, for fn returning an array
+  shaped like x; `constant` (integer arrays) gets no gradient. Every array fn uses must come in
+  through the arguments. Differentiable with only the inputs kept for the backward pass, which
+  also runs only when `pred` (differentiating `lax.cond` directly would fill the skipped
+  branch's residuals with zeros, a copy as large as the work skipped)."""
 
   @jax.custom_vjp
-  def run(pred, args):
-    return jax.lax.cond(pred, lambda a: fn(*a), lambda a: jnp.zeros_like(a[0]), args)
+  def run(pred, x, differentiable, constant):
+    return jax.lax.cond(pred, fn, lambda x, *_: jnp.zeros_like(x), x, differentiable, constant)
 
-  def run_fwd(pred, args):
-    return run(pred, args), (pred, args)
+  def run_fwd(pred, x, differentiable, constant):
+    return run(pred, x, differentiable, constant), (pred, x, differentiable, constant)
 
   def run_bwd(residuals, dy):
-    pred, args = residuals
-    zeros = lambda a: jax.tree.map(jnp.zeros_like, a)
-    return None, jax.lax.cond(pred, lambda a: jax.vjp(fn, *a)[1](dy), zeros, args)
+    pred, x, differentiable, constant = residuals
+
+    def grads(x, differentiable):
+      return jax.vjp(lambda x, d: fn(x, d, constant), x, differentiable)[1](dy)
+
+    zeros = lambda x, differentiable: jax.tree.map(jnp.zeros_like, (x, differentiable))
+    dx, dd = jax.lax.cond(pred, grads, zeros, x, differentiable)
+    return None, dx, dd, jax.tree.map(lambda _: None, constant)
 
   run.defvjp(run_fwd, run_bwd)
-  return run(pred, args)
+  return run(pred, x, differentiable, constant)
 
 
 def _block_ffn(x_ECD, weights, batched: BatchedGemm, activation: GatedActivation):
