@@ -9,3 +9,13 @@ e.g. `x_BSD`, `w_up_EDF`, `probs_TE`.
 """
 
 __version__ = "0.1.0"
+
+_API = ("Config", "Trainer", "load_config", "load_model", "score")
+
+
+def __getattr__(name: str):
+  """`jmoe.Trainer`, `jmoe.load_config`, ... (jmoe/api.py), imported when first used."""
+  if name in _API:
+    from jmoe import api
+    return getattr(api, name)
+  raise AttributeError(f"module 'jmoe' has no attribute {name!r}")

@@ -11,6 +11,7 @@ data-parallel on all devices present.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -43,6 +44,19 @@ def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
   return sequences
 
 
+@functools.lru_cache(maxsize=8)
+def _logprobs_fn(graphdef: nnx.GraphDef):
+  """The jitted scorer of one model structure, kept so that scoring again does not recompile."""
+
+  @jax.jit
+  def logprobs(state, tokens_BS):
+    logits_BSV, _ = nnx.merge(graphdef, state)(tokens_BS)
+    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
+    return jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
+
+  return logprobs
+
+
 def score(model: nnx.Module, layout, sequences: list[list[int]]) -> list[list[float]]:
   """log p(next token) for every position but the last of each sequence."""
   devices = layout.mesh.devices.size
@@ -52,13 +66,7 @@ def score(model: nnx.Module, layout, sequences: list[list[int]]) -> list[list[fl
   for i, s in enumerate(sequences):
     tokens[i, :len(s)] = s
   graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def logprobs(state, tokens_BS):
-    logits_BSV, _ = nnx.merge(graphdef, state)(tokens_BS)
-    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
-    return jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
-
+  logprobs = _logprobs_fn(graphdef)
   with layout.active():
     out = np.asarray(logprobs(state, jax.device_put(tokens, layout.batch)))
   return [out[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]

@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
                            "workdir resumes from its latest checkpoint")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   group = parser.add_argument_group(
-      "several processes (one per host or GPU), joined by jax.distributed.initialize")
+      "several processes (one per host or GPU): these flags, JMOE_COORDINATOR / "
+      "JMOE_NUM_PROCESSES / JMOE_PROCESS_ID, or a SLURM or MPI launcher (jmoe/distributed.py)")
   group.add_argument("--coordinator", help="host:port of process 0")
   group.add_argument("--num-processes", type=int)
   group.add_argument("--process-id", type=int)
@@ -28,9 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     from jmoe.xla_flags import set_gpu_flags
     set_gpu_flags()
-    if args.coordinator:
-      import jax
-      jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    from jmoe.distributed import initialize
+    initialize(args.coordinator, args.num_processes, args.process_id)
     records = train(load_config(args.config, overrides), args.workdir,
                     progress=not args.no_progress)
     if records:

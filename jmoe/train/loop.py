@@ -10,6 +10,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
@@ -47,76 +48,159 @@ def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
   Returns the logged metric records (also in `<workdir>/metrics.jsonl`). On SIGTERM or SIGINT it
   saves a checkpoint of the step it is at and raises `Interrupted`.
   """
-  workdir = pathlib.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  layout = make_layout(config.parallel, devices)
-  check_batch_fits(config, layout)
-  lead = jax.process_index() == 0
-  if lead:
-    (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+  with Trainer(config, workdir, progress=progress, devices=devices) as trainer:
+    return trainer.run()
 
-  optimizer, schedule = make_optimizer(config.train), learning_rate(config.train)
-  spec = state_spec(config, layout, optimizer)
-  num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
-  log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
-           layout.mesh.devices.size, jax.default_backend(), layout.describe())
-  data = DataPipeline(config, layout)  # first: bad data input stops before anything is loaded
-  checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
-                              async_save=config.checkpoint.async_save)
-  start, state, data_state = initial_state(config, spec, checkpointer)
-  if lead:
-    drop_metrics_after(workdir / "metrics.jsonl", start)
-  if data_state is not None:
-    data.restore(data_state)
-  elif start:
-    log.warning("the checkpoint of step %d holds no input position; the data starts over", start)
-  t0 = time.perf_counter()
-  with layout.active():  # the model's sharding annotations read the layout while tracing
-    step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
-                      in_shardings=(spec.shardings, layout.batch),
-                      out_shardings=(spec.shardings, layout.replicated),
-                      donate_argnums=0).lower(state, data.batch_spec()).compile()
-    eval_fn = (jax.jit(make_eval_step(spec.graphdef, config), out_shardings=layout.replicated)
-               if config.train.eval_every else None)
-  log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
 
-  tokens_per_step = config.train.batch_size * config.data.seq_len
-  writer = MetricsWriter(workdir, config.train.steps, start_step=start,
-                         progress=progress and lead, write=lead)
-  records, last_time, last_step = [], time.perf_counter(), start
-  signals = StopSignals()
-  save = lambda step: checkpointer.save(step, state, data.state())
-  try:
+class Trainer:
+  """A training run driven from Python: a notebook cell, a script, or `python -m jmoe.train`
+  (which is `Trainer(config, workdir).run()`).
+
+  Building one does what a run starts with: the layout, the data pipeline, the state (resumed
+  from the workdir's latest checkpoint, on this config's layout, if there is one), and the
+  compiled step. Then `train(n)` runs n steps and returns their logged records, as often as
+  asked, without compiling again; `evaluate()`, `save()`, `expert_load()` and `score()` work on
+  the current state. `close()` (or a `with` block) finishes pending saves and frees the devices.
+  """
+
+  def __init__(self, config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
+               devices: Sequence[jax.Device] | None = None):
+    self.config = config
+    self.workdir = workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    self.layout = layout = make_layout(config.parallel, devices)
+    check_batch_fits(config, layout)
+    self._lead = jax.process_index() == 0
+    if self._lead:
+      (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+
+    optimizer, schedule = make_optimizer(config.train), learning_rate(config.train)
+    self.spec = spec = state_spec(config, layout, optimizer)
+    num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
+    log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
+             layout.mesh.devices.size, jax.default_backend(), layout.describe())
+    self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
+    self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
+                                     async_save=config.checkpoint.async_save)
+    try:
+      self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
+      if self._lead:
+        drop_metrics_after(workdir / "metrics.jsonl", self.step)
+      if data_state is not None:
+        self.data.restore(data_state)
+      elif self.step:
+        log.warning("the checkpoint of step %d holds no input position; the data starts over",
+                    self.step)
+      t0 = time.perf_counter()
+      with layout.active():  # the model's sharding annotations read the layout while tracing
+        self._step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
+                                in_shardings=(spec.shardings, layout.batch),
+                                out_shardings=(spec.shardings, layout.replicated),
+                                donate_argnums=0).lower(self.state,
+                                                        self.data.batch_spec()).compile()
+        self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
+                                out_shardings=layout.replicated)
+      log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+      self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
+                                   progress=progress and self._lead, write=self._lead)
+    except BaseException:
+      self.data.close()
+      self.checkpointer.close()
+      raise
+    self._last_metrics: dict | None = None
+    self._saved = self.step if self.checkpointer.latest_step() == self.step else None
+
+  def __enter__(self) -> "Trainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def train(self, steps: int | None = None, *, signals: StopSignals | None = None) -> list[dict]:
+    """Runs `steps` more steps (default: up to `train.steps`), logging every `train.log_every`,
+    evaluating every `train.eval_every`, checkpointing every `checkpoint.every`. Returns this
+    call's logged records (dicts of floats and lists, as in metrics.jsonl)."""
+    cfg = self.config
+    end = cfg.train.steps if steps is None else self.step + steps
+    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
+    records, last_time, last_step = [], time.perf_counter(), self.step
+    first = self.step + 1
+    while self.step < end:
+      self.state, metrics = self._step_fn(self.state, self.data.next_batch())
+      self.step = done = self.step + 1
+      self._last_metrics = metrics
+      evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
+      if evaluate or done % cfg.train.log_every == 0 or done in (first, end):
+        record = summarize(jax.device_get(metrics), done)
+        now = time.perf_counter()
+        record["tokens_per_s"] = tokens_per_step * (done - last_step) / (now - last_time)
+        record.update(self.data.loader_stats())
+        if evaluate:
+          record["eval_loss"] = self.evaluate()
+        last_time, last_step = time.perf_counter(), done
+        self._writer.write(record)
+        records.append(record)
+      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+        self.save()
+      if done < end and signals is not None and signals.stop_requested(done):
+        self.save()
+        self.checkpointer.wait()
+        raise Interrupted(done, signals.signum)
+    return records
+
+  def run(self) -> list[dict]:
+    """The command line's run: to `train.steps`, a checkpoint at the end; SIGTERM or SIGINT save
+    the step reached and raise `Interrupted`."""
+    signals = StopSignals()
     with signals.installed():
-      for step in range(start, config.train.steps):
-        state, metrics = step_fn(state, data.next_batch())
-        done = step + 1
-        evaluate = config.train.eval_every and (done % config.train.eval_every == 0 or
-                                                done == config.train.steps)
-        if evaluate or done % config.train.log_every == 0 or done in (start + 1,
-                                                                      config.train.steps):
-          record = summarize(jax.device_get(metrics), done)
-          now = time.perf_counter()
-          record["tokens_per_s"] = tokens_per_step * (done - last_step) / (now - last_time)
-          record.update(data.loader_stats())
-          if evaluate:
-            record["eval_loss"] = evaluation_loss(eval_fn, state, data.eval_batches())
-          last_time, last_step = time.perf_counter(), done
-          writer.write(record)
-          records.append(record)
-        if config.checkpoint.every and done % config.checkpoint.every == 0:
-          save(done)
-        if done < config.train.steps and signals.stop_requested(done):
-          save(done)
-          checkpointer.wait()
-          raise Interrupted(done, signals.signum)
-      save(config.train.steps)
-      checkpointer.wait()
-  finally:
-    data.close()
-    writer.close()
-    checkpointer.close()
-  return records
+      records = self.train(signals=signals)
+      self.save()
+      self.checkpointer.wait()
+    return records
+
+  def evaluate(self) -> float:
+    """The mean next-token loss over the held-out batches (`data.eval_fraction`)."""
+    if not self.config.data.eval_fraction:
+      raise ConfigError("evaluation needs held-out documents: set data.eval_fraction (e.g. 0.01)")
+    with self.layout.active():
+      return evaluation_loss(self._eval_fn, self.state, self.data.eval_batches())
+
+  def save(self) -> pathlib.Path:
+    """A checkpoint of the current step (in the background with `checkpoint.async_save`)."""
+    if self._saved != self.step:
+      self.checkpointer.save(self.step, self.state, self.data.state())
+      self._saved = self.step
+    return self.checkpointer.directory / str(self.step)
+
+  def expert_load(self) -> np.ndarray:
+    """The last step's share of routed tokens per expert, [MoE layers (then MTP blocks), E]."""
+    if self._last_metrics is None:
+      raise RuntimeError("no step has run yet: call train() first")
+    return np.asarray(jax.device_get(self._last_metrics["expert_load"]))
+
+  def model(self) -> nnx.Module:
+    """The model with the current parameters (sharded as in training)."""
+    return nnx.merge(self.spec.graphdef, self.state.params, self.state.rest)
+
+  def score(self, sequences: list[list[int]]) -> list[list[float]]:
+    """log p(token i+1 | tokens up to i) under the current model, per sequence."""
+    from jmoe.score import score
+    return score(self.model(), self.layout, sequences)
+
+  def close(self) -> None:
+    """Waits for pending checkpoints, stops the input threads, and frees the state's device
+    memory (the trainer cannot train after this)."""
+    try:
+      self.checkpointer.wait()
+    finally:
+      self.data.close()
+      self._writer.close()
+      self.checkpointer.close()
+      if self.state is not None:
+        for x in jax.tree.leaves(self.state):
+          if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+        self.state = self._last_metrics = None
 
 
 def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:

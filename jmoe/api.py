@@ -1,0 +1,39 @@
+"""jmoe from Python (notebooks, scripts): the pieces the commands are made of, by their short names.
+
+  config = jmoe.load_config("configs/tiny_moe.py", ["train.steps=100"])
+  with jmoe.Trainer(config, "/tmp/run") as trainer:
+    records = trainer.train(50)          # logged records, as in metrics.jsonl
+    load_LE = trainer.expert_load()      # [MoE layers, experts]
+  config, model = jmoe.load_model("/tmp/run")   # a workdir or a model checkpoint
+  logprobs = jmoe.score(model, [[1, 2, 3, 4]])
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Sequence
+
+import jax
+from flax import nnx
+
+from jmoe.config import Config, ParallelConfig, load_config
+from jmoe.train.loop import Trainer
+
+__all__ = ["Config", "Trainer", "load_config", "load_model", "score"]
+
+
+def load_model(path: str | pathlib.Path, devices: Sequence[jax.Device] | None = None
+               ) -> tuple[Config, nnx.Module]:
+  """The config and model of a training workdir (its latest checkpoint) or a model checkpoint,
+  with the variables replicated for data-parallel use on `devices` (default: all)."""
+  from jmoe.checkpoint.params import load_model as load
+  from jmoe.parallel import make_layout
+  return load(path, make_layout(ParallelConfig(), devices))
+
+
+def score(model: nnx.Module, sequences: list[list[int]],
+          devices: Sequence[jax.Device] | None = None) -> list[list[float]]:
+  """log p(token i+1 | tokens up to i) for each sequence, as `python -m jmoe.score` writes."""
+  from jmoe.parallel import make_layout
+  from jmoe.score import score as score_on
+  return score_on(model, make_layout(ParallelConfig(), devices), sequences)

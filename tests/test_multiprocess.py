@@ -1,0 +1,86 @@
+"""Several processes joined into one run, the ways clusters start them. Four processes joined by
+JMOE_* variables (any launcher, Kubernetes) train like one process on the same 8 devices (two
+processes joined by flags: tests/test_checkpoint.py); SLURM's and MPI's variables lead to JAX's
+own detection."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jmoe import distributed
+from jmoe.config import ConfigError, load_config
+from jmoe.train.loop import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OVERRIDES = ["model.d_model=32", "model.d_ff=64", "moe.d_ff_expert=16", "model.num_layers=2",
+             "data.seq_len=32", "train.steps=3", "data.max_corpus_bytes=300000",
+             "train.warmup_steps=1", "train.log_every=1", "parallel.expert.expert=4",
+             "parallel.expert.data=-1", "moe.dispatcher=alltoall"]
+CONFIG = ROOT / "configs" / "tiny_moe.py"
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_four_processes_train_like_one(tmp_path):
+  one = [r["loss"] for r in train(load_config(CONFIG, OVERRIDES), tmp_path / "one",
+                                  progress=False)]
+  port, procs = free_port(), []
+  for i in range(4):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="4",
+               JMOE_PROCESS_ID=str(i))
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir",
+         str(tmp_path / "four"), "--no-progress", *[f"--config.{o}" for o in OVERRIDES]],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  errors = []
+  for proc in procs:
+    _, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-3000:]
+    errors.append(err)
+  four = [json.loads(line)["loss"] for line in (tmp_path / "four" / "metrics.jsonl").open()]
+  assert len(one) == 3
+  np.testing.assert_allclose(four, one, rtol=1e-5)
+  assert "process 0 of 4, 2 local of 8 devices" in errors[0]  # process 0 logs; the others do not
+  assert not any("compiled the train step" in err for err in errors[1:])
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None),
+    ({"SLURM_NTASKS": "1"}, None),  # a one-task SLURM job is a single process
+    ({"SLURM_NTASKS": "4"}, ()),  # JAX reads the rest of SLURM's variables itself
+    ({"OMPI_COMM_WORLD_SIZE": "2"}, ()),
+    ({"JMOE_COORDINATOR": "h:1", "JMOE_NUM_PROCESSES": "2", "JMOE_PROCESS_ID": "1"},
+     ("h:1", 2, 1)),
+])
+def test_how_a_process_learns_about_the_others(monkeypatch, env, expected):
+  for key in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JMOE_COORDINATOR", "JMOE_NUM_PROCESSES",
+              "JMOE_PROCESS_ID"):
+    monkeypatch.delenv(key, raising=False)
+  for key, value in env.items():
+    monkeypatch.setenv(key, value)
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda *args: calls.append(args))
+  monkeypatch.setattr(distributed, "_quiet_other_processes", lambda: None)
+  assert distributed.initialize() == (expected is not None)
+  assert calls == ([] if expected is None else [expected])
+
+
+def test_incomplete_process_settings_are_refused(monkeypatch):
+  monkeypatch.setenv("JMOE_COORDINATOR", "h:1")
+  monkeypatch.delenv("JMOE_NUM_PROCESSES", raising=False)
+  with pytest.raises(ConfigError, match="JMOE_NUM_PROCESSES"):
+    distributed.initialize()
+  with pytest.raises(ConfigError, match="needs the coordinator address"):
+    distributed.initialize(coordinator="h:1")
