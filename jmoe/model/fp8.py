@@ -13,7 +13,7 @@ not the LM head) take one of two per-tensor recipes:
            `Fp8History` variable [3, history] (input, weight, gradient) of the train state (so it
            is checkpointed). An empty history (a fresh run) gives scale 1, as in Transformer Engine.
            The step's amaxes leave the backward pass as the "gradient" of the history; the train
-           step stores that instead of applying an optimizer update (see `is_history`).
+           step stores that instead of applying an optimizer update (jmoe/train/step.py).
 Expert GEMMs always scale from current values, and finer than per tensor where it is free (all
 scales are local to a device, so no collective is needed inside the expert-parallel region): each
 row (token) of the input has its own scale and each expert's weight one; the gradient GEMMs rescale
@@ -90,10 +90,10 @@ def _history_scale(history_H: jax.Array, dtype) -> jax.Array:
 def fp8_dot(x, w, history_3H, recipe: Fp8Recipe, n: int):
   """x . w contracting x's last `n` axes with w's first `n`, in FP8. `history_3H` is the amax
   history for delayed scaling (ignored by current scaling); its cotangent is its next value."""
-  return fp8_dot_fwd(x, w, history_3H, recipe, n)[0]
+  return _fp8_dot_fwd(x, w, history_3H, recipe, n)[0]
 
 
-def fp8_dot_fwd(x, w, history_3H, recipe, n):
+def _fp8_dot_fwd(x, w, history_3H, recipe, n):
   amax_x, amax_w = amax(x), amax(w)
   if recipe.delayed:
     scale_x, scale_w = _history_scale(history_3H[0], E4M3), _history_scale(history_3H[1], E4M3)
@@ -106,7 +106,7 @@ def fp8_dot_fwd(x, w, history_3H, recipe, n):
   return y, (x_q, w_q, scale_x, scale_w, amax_x, amax_w, history_3H)
 
 
-def fp8_dot_bwd(recipe, n, residuals, dy):
+def _fp8_dot_bwd(recipe, n, residuals, dy):
   x_q, w_q, scale_x, scale_w, amax_x, amax_w, history_3H = residuals
   amax_dy = amax(dy)
   grad_dtype = recipe.grad_dtype
@@ -125,17 +125,12 @@ def fp8_dot_bwd(recipe, n, residuals, dy):
   return dx.astype(dy.dtype), dw.astype(dy.dtype), new_3H
 
 
-fp8_dot.defvjp(fp8_dot_fwd, fp8_dot_bwd)
+fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
 class Fp8History(nnx.Variable):
   """Delayed scaling's amax history of one GEMM: rows input, weight, gradient; newest first.
   Updated by the train step from the backward pass (not an optimizer update)."""
-
-
-def is_history(path, variable) -> bool:
-  del path
-  return isinstance(variable, Fp8History)
 
 
 class Fp8Dot(nnx.Module):
