@@ -19,7 +19,8 @@ from jmoe.config import ConfigError, load_config
 from jmoe.train.loop import train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-OVERRIDES = ["model.d_model=32", "model.d_ff=64", "moe.d_ff_expert=16", "model.num_layers=2",
+OVERRIDES = ["model.d_model=32", "model.d_ff=64", "moe.d_ff_expert=16", "model.num_layers=1",
+             "moe.first_k_dense=0",
              "data.seq_len=32", "train.steps=3", "data.max_corpus_bytes=300000",
              "train.warmup_steps=1", "train.log_every=1", "parallel.expert.expert=4",
              "parallel.expert.data=-1", "moe.dispatcher=alltoall"]

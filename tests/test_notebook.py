@@ -16,7 +16,7 @@ def test_quickstart_notebook_runs(monkeypatch):
                  resources={"metadata": {"path": str(ROOT / "examples")}}).execute()
   outputs = "".join(output.get("text", "") for cell in notebook.cells if cell.cell_type == "code"
                     for output in cell.get("outputs", []))
-  assert "resumed at step 80" in outputs
+  assert "resumed at step 40" in outputs
   assert "nats/byte" in outputs
   images = [output for cell in notebook.cells for output in cell.get("outputs", [])
             if "image/png" in output.get("data", {})]

@@ -79,10 +79,26 @@ def _read_from_train_state(path: pathlib.Path, target: dict[str, Any]) -> dict[s
       saved_model = merge_dicts(saved_model, _unwrap(dict(saved.get(part) or {})))
     _check(path, saved_model, _string_keys(target))
     split = {part: _in_saved_form(target, saved.get(part) or {}) for part in ("params", "rest")}
+    split = {part: tree for part, tree in split.items() if tree}  # an empty one reads as a leaf
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
         item=split, restore_args=ocp.checkpoint_utils.construct_restore_args(split),
         partial_restore=True))
-  return _like(target, merge_dicts(_unwrap(restored["params"]), _unwrap(restored["rest"])))
+  return _like(target, merge_dicts(_unwrap(restored.get("params", {})),
+                                   _unwrap(restored.get("rest", {}))))
+
+
+# Variables of a run rather than of the model: FP8 amax histories (jmoe/model/fp8.py). A model
+# read from a checkpoint may hold them or not; those this config has start fresh.
+RUN_STATE_NAMES = ("history_3H",)
+
+
+def _without_run_state(saved: Any, target: Any) -> Any:
+  """`saved` without the run-state variables that `target` does not ask for."""
+  if not isinstance(saved, dict):
+    return saved
+  wanted = target if isinstance(target, dict) else {}
+  return {key: _without_run_state(value, wanted.get(key, {})) for key, value in saved.items()
+          if not (key in RUN_STATE_NAMES and key not in wanted)}
 
 
 def _string_keys(tree: Any) -> Any:
@@ -106,7 +122,9 @@ def _in_saved_form(target: dict, saved: Any) -> dict:
     key = str(key)
     if key in saved:
       if isinstance(value, dict):
-        out[key] = _in_saved_form(value, saved[key])
+        part = _in_saved_form(value, saved[key])
+        if part:  # an empty subtree would read as a leaf
+          out[key] = part
       else:
         wrapped = isinstance(saved[key], dict) and set(saved[key]) == {"value"}
         out[key] = {"value": value} if wrapped else value
@@ -127,7 +145,7 @@ def merge_dicts(a: dict, b: dict) -> dict:
 
 
 def _check(path: pathlib.Path, saved: Any, target: Any) -> None:
-  problem = describe_mismatch(saved, target)
+  problem = describe_mismatch(_without_run_state(saved, target), target)
   if problem:
     raise ConfigError(f"the model in {path} does not fit this config: {problem}. Use the "
                       f"model settings it was saved with (its config.json)")
