@@ -34,12 +34,17 @@ def _ragged_dot(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> 
   return jax.lax.ragged_dot(x_XD, w_EDF, group_sizes_E)
 
 
-def _dense(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+def _members(group_sizes_E, num_rows):
+  """[X, E]: whether row x belongs to expert e's group."""
   ends_E = jnp.cumsum(group_sizes_E)
-  rows_X = jnp.arange(x_XD.shape[0])
-  member_XE = (rows_X[:, None] >= ends_E - group_sizes_E) & (rows_X[:, None] < ends_E)
+  rows_X1 = jnp.arange(num_rows)[:, None]
+  return (rows_X1 >= ends_E - group_sizes_E) & (rows_X1 < ends_E)
+
+
+def _dense(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
   y_XEF = jnp.einsum("xd,edf->xef", x_XD, w_EDF)
-  return jnp.einsum("xef,xe->xf", y_XEF, member_XE.astype(y_XEF.dtype))
+  return jnp.einsum("xef,xe->xf", y_XEF,
+                    _members(group_sizes_E, x_XD.shape[0]).astype(y_XEF.dtype))
 
 
 def _tokamax_kernel(x_XD, w_EDF, group_sizes_E):
@@ -114,12 +119,6 @@ def _ragged_dot_f8(x_XK, w_EKN, group_sizes_E):
 def _ragged_contract_f8(x_XK, y_XN, group_sizes_E):
   return jax.lax.ragged_dot_general(x_XK, y_XN, group_sizes_E, _RAGGED_CONTRACT,
                                     preferred_element_type=jnp.bfloat16)
-
-
-def _members(group_sizes_E, num_rows):
-  ends_E = jnp.cumsum(group_sizes_E)
-  rows_X1 = jnp.arange(num_rows)[:, None]
-  return (rows_X1 >= ends_E - group_sizes_E) & (rows_X1 < ends_E)
 
 
 def _dense_f8(x_XK, w_EKN, group_sizes_E):
