@@ -9,8 +9,11 @@ attention sinks.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +32,22 @@ KV_AXES = ("act_batch", None, "act_kv_heads", None)
 log = logging.getLogger("jmoe")
 
 
+# While jmoe.train.memory estimates a GPU run on another platform, attention stands for cuDNN's
+# fused kernel (`_like_fused_kernel`), under this name scope: the estimate counts what is made
+# inside it as the kernel's own working memory, never stored.
+FUSED_SCOPE = "fused_attention"
+_AS_ON_GPU: contextvars.ContextVar[bool] = contextvars.ContextVar("jmoe_as_on_gpu", default=False)
+
+
+@contextlib.contextmanager
+def traced_as_on_gpu() -> Iterator[None]:
+  token = _AS_ON_GPU.set(True)
+  try:
+    yield
+  finally:
+    _AS_ON_GPU.reset(token)
+
+
 @functools.cache
 def _refused(reason: str) -> None:
   log.warning("cuDNN attention refused a case (%s); it runs through XLA's attention", reason)
@@ -37,9 +56,12 @@ def _refused(reason: str) -> None:
 def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.Array:
   """`jax.nn.dot_product_attention` through the kernel `kernel` asks for: cudnn, xla, or auto
   (cuDNN on GPUs for 16-bit inputs, else XLA)."""
+  on_gpu = jax.default_backend() == "gpu"
   if kernel == "auto":
-    gpu_16bit = jax.default_backend() == "gpu" and q_BSHA.dtype in (jnp.bfloat16, jnp.float16)
+    gpu_16bit = (on_gpu or _AS_ON_GPU.get()) and q_BSHA.dtype in (jnp.bfloat16, jnp.float16)
     kernel = "cudnn" if gpu_16bit else "xla"
+  if kernel == "cudnn" and not on_gpu and _AS_ON_GPU.get():
+    return _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs)
   if kernel == "cudnn":
     try:
       return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="cudnn",
@@ -47,6 +69,32 @@ def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.
     except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
       _refused(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
   return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="xla", **kwargs)
+
+
+def _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
+  """Attention as cuDNN's fused kernel holds memory, for estimates traced off a GPU: the backward
+  pass keeps its inputs, its output and float32 softmax statistics per query and head (their
+  size; this path is traced, never run), and recomputes the rest inside the kernel."""
+  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
+  static = {k: v for k, v in kwargs.items() if k not in arrays}
+  attend = lambda q, k, v, a: jax.nn.dot_product_attention(q, k, v, implementation="xla",
+                                                           **static, **a)
+
+  @jax.custom_vjp
+  def kernel(q, k, v, a):
+    return attend(q, k, v, a)
+
+  def forward(q, k, v, a):
+    out = attend(q, k, v, a)
+    return out, (q, k, v, a, out, jnp.zeros(q.shape[:-1], jnp.float32))
+
+  def backward(saved, g):
+    q, k, v, a = saved[:4]
+    return jax.vjp(attend, q, k, v, a)[1](g)
+
+  kernel.defvjp(forward, backward)
+  with jax.named_scope(FUSED_SCOPE):
+    return kernel(q_BSHA, k_BSGA, v_BSGA, arrays)
 
 
 def same_document(segment_ids_BS: jax.Array) -> jax.Array:

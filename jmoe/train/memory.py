@@ -1,0 +1,505 @@
+"""Per-device memory of a training step, estimated before anything is compiled.
+
+The train step is traced (not compiled) on the config's layout, and its jaxpr is walked in program
+order the way XLA's buffer assignment would see it: every value that must exist in memory is
+allocated when produced and freed after its last use, and the largest total along the way is the
+step's peak. What the walk assumes about XLA:
+
+- elementwise ops, broadcasts, reshapes and converts fuse into their consumers when those can take
+  them (other elementwise ops and reductions), so their outputs are not stored; operands of GEMMs,
+  sorts, gathers, collectives and loops are;
+- a fused kernel (cuDNN attention; regions under the `fused_attention` name scope) keeps only the
+  values that leave it;
+- the train state is donated: the new state overwrites the old one in place;
+- per device, a value takes its global bytes over the number of devices it is split across: known
+  exactly for the train state, the batch, every `constrain`ed activation and everything inside the
+  MoE layer's `shard_map`; elsewhere taken from the value's operands (weight-shaped values are
+  placed like the weights).
+
+Each stored value is put in a category by where it comes from: parameters, optimizer state,
+gradients, weight copies (weights cast to the compute dtype), activations, dispatch buffers (the
+MoE layer's exchange of tokens), the optimizer's update, the batch; values offloaded to host
+memory are counted apart. `estimate(config, layout)` returns the categories at the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Literal
+
+from jmoe.config import Config
+from jmoe.model.attention import FUSED_SCOPE, traced_as_on_gpu
+from jmoe.parallel import Layout
+
+CATEGORIES = ("parameters", "optimizer state", "gradients", "weight copies", "activations",
+              "dispatch buffers", "optimizer update", "batch")
+
+_ELEMENTWISE = {
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
+    "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv",
+    "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
+    "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
+    "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
+    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
+    "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "one_minus_square",
+    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose", "pvary",
+    "pcast", "bitcast_convert_type", "optimization_barrier",
+}
+# Ops that take fused elementwise producers as their inputs.
+_FUSING_CONSUMERS = _ELEMENTWISE | {
+    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
+    "argmax", "argmin", "slice", "dynamic_slice", "concatenate", "pad", "cumsum", "cumlogsumexp",
+    "cummax", "cumprod",
+}
+_DISPATCH_FILES = ("jmoe/moe/exchange.py", "jmoe/moe/dispatch.py", "jmoe/moe/capacity.py",
+                   "jmoe/moe/combine.py")
+_OPTIMIZER_FILES = ("optax/", "jmoe/train/optimizer.py")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Per-device bytes at the step's peak, by category; `host` is what waits in host memory."""
+  by_category: dict[str, int]
+  host: int
+  num_devices: int
+  where: str  # the source line that allocates at the peak
+  largest: tuple[tuple[int, str, str], ...] = ()  # (bytes, category, value) live at the peak
+
+  @property
+  def total(self) -> int:
+    return sum(self.by_category.values())
+
+  def table(self, device_bytes: int | None = None) -> str:
+    unit, scale = ("GiB", 2**30) if max(self.total, device_bytes or 0) >= 2**30 else ("MiB", 2**20)
+    gib = lambda b: f"{b / scale:10.2f}"
+    rows = [f"{'per device':<20}{unit:>10}"]
+    rows += [f"{name:<20}{gib(b)}" for name, b in self.by_category.items() if b]
+    rows.append(f"{'total':<20}{gib(self.total)}")
+    if self.host:
+      rows.append(f"{'host (offloaded)':<20}{gib(self.host)}")
+    if device_bytes:
+      rows.append(f"{'device memory':<20}{gib(device_bytes)}  "
+                  f"({'fits' if self.total <= device_bytes else 'does NOT fit'})")
+    rows.append(f"peak at: {self.where}")
+    return "\n".join(rows)
+
+
+# ---- tracing the step
+
+def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> MemoryEstimate:
+  """Traces the config's train step on `layout` and walks it. `platform`: the one to estimate for
+  (default: this one); "gpu" from another platform models attention as cuDNN's fused kernel."""
+  from jmoe.train.optimizer import learning_rate, make_optimizer
+  from jmoe.train.state import state_spec
+  from jmoe.train.step import make_train_step
+
+  platform = platform or jax.default_backend()
+  optimizer = make_optimizer(config.train)
+  spec = state_spec(config, layout, optimizer)
+  batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
+                                          np.int32)}
+  step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
+  fused = platform == "gpu" and jax.default_backend() != "gpu"
+  with layout.active(), (traced_as_on_gpu() if fused else contextlib.nullcontext()):
+    closed = jax.make_jaxpr(step)(spec.abstract, batch)
+
+  state_leaves = jax.tree.leaves(spec.abstract)
+  sharding_leaves = jax.tree.leaves(spec.shardings)
+  kinds = _state_kinds(spec.abstract)
+  in_d, in_kind = [], []
+  for leaf, sharding, kind in zip(state_leaves, sharding_leaves, kinds):
+    in_d.append(_divisor(sharding.spec, layout.mesh.shape))
+    in_kind.append(kind)
+  in_d.append(_divisor(layout.batch.spec, layout.mesh.shape))
+  in_kind.append("batch")
+
+  # Weight-shaped values (gradients, weights cast for compute) are placed like the weights.
+  weights: dict[tuple[int, ...], tuple[int, Any]] = {}
+  for leaf, d in zip(jax.tree.leaves(spec.abstract.params), in_d[1:]):
+    weights.setdefault(tuple(leaf.shape), (d, leaf.dtype))
+    if leaf.ndim > 2:  # a stacked layer's slice, as the scan over layers sees it
+      weights.setdefault(tuple(leaf.shape[1:]), (d, leaf.dtype))
+
+  jaxpr = closed.jaxpr
+  env = {v: _Value(_bytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, in_d, in_kind)}
+  by_category = {name: 0 for name in CATEGORIES}
+  for value in env.values():  # the state and the batch, there throughout
+    by_category[value.kind] += value.bytes
+  # The new state is written over the donated old one: its outputs take no new memory.
+  in_place = {v for v in jaxpr.outvars[:len(state_leaves)] if not _is_literal(v)}
+  result = _Walker(dict(layout.mesh.shape), weights, platform).walk(jaxpr, env, in_place=in_place)
+  for kind, b in result.at_peak.items():
+    by_category[kind] += b
+  return MemoryEstimate(by_category=by_category, host=result.host, num_devices=layout.mesh.size,
+                        where=f"{result.where} ({'backward' if result.backward else 'forward'})",
+                        largest=tuple((x.bytes, x.kind, x.what) for x in result.largest))
+
+
+def compiled_bytes(config: Config, layout: Layout) -> int:
+  """What XLA's compiled train step takes per device: its arguments (the state, donated, and the
+  batch), the outputs that do not reuse them, and its temporaries. Compiles; for checking the
+  estimate on devices at hand."""
+  from jmoe.train.optimizer import learning_rate, make_optimizer
+  from jmoe.train.state import state_spec
+  from jmoe.train.step import make_train_step
+
+  optimizer = make_optimizer(config.train)
+  spec = state_spec(config, layout, optimizer)
+  batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
+                                          np.int32)}
+  with layout.active():
+    compiled = jax.jit(make_train_step(spec.graphdef, config, optimizer,
+                                       learning_rate(config.train)),
+                       in_shardings=(spec.shardings, layout.batch),
+                       out_shardings=(spec.shardings, layout.replicated),
+                       donate_argnums=0).lower(spec.abstract, batch).compile()
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def _state_kinds(abstract) -> list[str]:
+  kinds = []
+  for name in ("step", "params", "rest", "opt_state"):
+    kind = {"opt_state": "optimizer state", "step": "optimizer state"}.get(name, "parameters")
+    kinds += [kind] * len(jax.tree.leaves(getattr(abstract, name)))
+  # TrainState's fields flatten in declaration order: step, params, rest, opt_state.
+  return kinds
+
+
+def _divisor(spec, mesh_shape) -> int:
+  d = 1
+  for entry in spec:
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      if axis is not None:
+        d *= mesh_shape[axis]
+  return d
+
+
+def _bytes(aval, d: int) -> int:
+  shape = getattr(aval, "shape", None)
+  if shape is None or not hasattr(aval, "dtype"):
+    return 0
+  size = math.prod(shape)
+  itemsize = getattr(aval.dtype, "itemsize", 8)  # random keys: two uint32 words
+  return -(-size * itemsize // max(1, min(d, size)))
+
+
+# ---- walking a jaxpr
+
+@dataclasses.dataclass
+class _Value:
+  bytes: int  # per device, as stored (0: fused into its consumers, or in host memory)
+  d: int | None  # devices it is split across (None: not known yet)
+  kind: str
+  what: str = ""  # its shape and where it is made, for the list of the largest
+  const: bool = False  # made from constants alone
+
+
+@dataclasses.dataclass
+class _Walk:
+  peak: int  # the most bytes live at once, beyond the jaxpr's inputs
+  at_peak: dict[str, int]  # those bytes by category
+  host: int
+  where: str
+  outs: list[_Value]
+  largest: list[_Value] = dataclasses.field(default_factory=list)  # live at the peak
+  backward: bool = False  # whether the peak is in the backward pass
+
+
+def _source(eqn) -> str:
+  frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
+  for frame in frames:
+    name = frame.file_name.replace("\\", "/")
+    if ("/jmoe/" in name and "/jmoe/train/step.py" not in name
+        and "/jmoe/train/memory.py" not in name) or "/optax/" in name:
+      return f"{name[name.rfind('jmoe/') if '/jmoe/' in name else name.rfind('optax/'):]}:" \
+             f"{frame.line_num}"
+  return eqn.primitive.name
+
+
+# Kernels whose jaxpr describes one program instance, not memory: only their outputs count.
+_KERNELS = ("pallas_call", "triton_kernel_call", "mosaic_gpu_call")
+
+
+def _sub_jaxprs(eqn) -> list:
+  if eqn.primitive.name in _KERNELS:
+    return []
+  found = []
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "branches"):
+    value = eqn.params.get(key)
+    if value is None:
+      continue
+    for item in (value if isinstance(value, (tuple, list)) else (value,)):
+      found.append(getattr(item, "jaxpr", item))
+  return found
+
+
+class _Walker:
+
+  def __init__(self, mesh_shape: dict[str, int], weights: dict[tuple[int, ...], tuple[int, Any]],
+               platform: str):
+    self.mesh_shape = mesh_shape
+    self.platform = platform
+    self.num_devices = math.prod(mesh_shape.values())
+    self.weights = weights
+
+  def walk(self, jaxpr, env: dict, *, in_place=frozenset(), local: bool = False,
+           fused_outer: bool = False, outer_split: int = 1) -> _Walk:
+    """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
+    shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
+    buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
+    eqns = jaxpr.eqns
+    consumers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+      for v in eqn.invars:
+        if not _is_literal(v):
+          consumers.setdefault(v, []).append(i)
+    outvars = {v for v in jaxpr.outvars if not _is_literal(v)}
+    fused_region = [fused_outer or FUSED_SCOPE in str(eqn.source_info.name_stack)
+                    for eqn in eqns]
+
+    # Placement: each output's split from its inputs; a value made from constants alone takes
+    # the split of what it feeds (as XLA's sharding propagation does both ways).
+    # What ends in a donated or loop buffer is written there by the op that makes it, even
+    # through reshapes and inside calls.
+    in_place = set(in_place)
+    for eqn in reversed(eqns):
+      if (eqn.primitive.name in _ELEMENTWISE and len(eqn.outvars) == 1
+          and eqn.outvars[0] in in_place):
+        in_place.update(v for v in eqn.invars
+                        if not _is_literal(v) and len(consumers.get(v, [])) == 1)
+    inners = []
+    fallback = max([env[v].d or 1 for v in jaxpr.invars if v in env] + [outer_split])
+    for i, eqn in enumerate(eqns):
+      outs, inner = self._eqn(eqn, [None if _is_literal(v) else env.get(v) for v in eqn.invars],
+                              local, fused_region[i], fallback,
+                              [v in in_place for v in eqn.outvars])
+      inners.append(inner)
+      # A value made from constants alone is folded or made where it is used, never stored.
+      const = not _sub_jaxprs(eqn) and all(_is_literal(v) or (v in env and env[v].const)
+                                           for v in eqn.invars)
+      for v, value in zip(eqn.outvars, outs):
+        env[v] = dataclasses.replace(value, what=f"{v.aval.str_short()} {_source(eqn)}",
+                                     const=value.const or const)
+
+    def stored(i: int, v) -> bool:
+      if v in outvars:
+        return True
+      if env[v].const:
+        return False
+      users = consumers.get(v, [])
+      if fused_region[i]:  # inside a fused kernel only what leaves it is stored
+        return any(not fused_region[j] for j in users)
+      if eqns[i].primitive.name not in _ELEMENTWISE:
+        return True
+      return any(eqns[j].primitive.name not in _FUSING_CONSUMERS for j in users)
+
+    materialized = [[stored(i, v) for v in eqn.outvars] for i, eqn in enumerate(eqns)]
+    # A value's last use: its last consumer, or, when that consumer is fused into later ones,
+    # theirs (a fused op reads its inputs when the kernel it joins runs).
+    last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
+    for i in reversed(range(len(eqns))):
+      until = i
+      if not any(materialized[i]):
+        until = max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
+      for v in eqns[i].invars:
+        if not _is_literal(v):
+          last_use[v] = max(last_use.get(v, -1), until)
+
+    def fed(v, depth: int = 4) -> list[int]:  # the splits of what v feeds, a few steps on
+      found = []
+      for j in consumers.get(v, []):
+        for w in eqns[j].outvars:
+          found += [env[w].d] if env[w].d is not None else fed(w, depth - 1) if depth else []
+      return found
+
+    # Failing that, split as finely as this jaxpr's inputs are.
+    for i in reversed(range(len(eqns))):
+      for v in eqns[i].outvars:
+        if env[v].d is None:
+          # an output is left to the caller
+          env[v].d = 1 if local else max(fed(v), default=None if v in outvars else fallback)
+    for i, eqn in enumerate(eqns):
+      for v, keep in zip(eqn.outvars, materialized[i]):
+        value = env[v]
+        value.bytes = _bytes(v.aval, value.d or fallback) if keep and v not in in_place else 0
+
+    live: dict[Any, _Value] = {}
+    by_kind: dict[str, int] = {}
+    current, peak, host, where, backward = 0, 0, 0, "", False
+    at_peak: dict[str, int] = {}
+    largest: list[_Value] = []
+    for i, eqn in enumerate(eqns):
+      inner = inners[i]
+      new = []
+      for v in eqn.outvars:
+        if env[v].kind == "host":
+          host += env[v].bytes
+          env[v].bytes = 0
+        new.append(env[v])
+      made = sum(value.bytes for value in new)
+      # A loop's stacked outputs exist before its first step; a call's outputs are counted by
+      # its own walk (its outputs are made inside it).
+      moment = current + (made + inner.peak if eqn.primitive.name in ("scan", "while")
+                          else max(made, inner.peak))
+      if moment > peak:
+        peak, where = moment, inner.where or _source(eqn)
+        backward = inner.backward or "transpose(" in str(eqn.source_info.name_stack)
+        at_peak = dict(by_kind)
+        for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
+          at_peak[kind] = at_peak.get(kind, 0) + b
+        largest = sorted(list(live.values()) + new + inner.largest, key=lambda x: -x.bytes)[:40]
+      host += inner.host
+      for v in eqn.outvars:
+        if env[v].bytes and v in last_use:
+          live[v] = env[v]
+          current += env[v].bytes
+          by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
+      for v in {v for v in eqn.invars if not _is_literal(v)}:
+        if last_use.get(v) == i and v in live:
+          value = live.pop(v)
+          current -= value.bytes
+          by_kind[value.kind] -= value.bytes
+    outs = [env[v] if not _is_literal(v) else _Value(0, 1, "activations") for v in jaxpr.outvars]
+    return _Walk(peak=peak, at_peak=at_peak, host=host, where=where, outs=outs, largest=largest,
+                 backward=backward)
+
+  # -- one equation: its outputs' placement and kind, and what it needs inside
+  def _eqn(self, eqn, ins: list[_Value | None], local: bool, fused: bool, split: int,
+           out_in_place: list[bool]):
+    name = eqn.primitive.name
+    empty = _Walk(0, {}, 0, "", [])
+    if name == "shard_map":
+      return self._shard_map(eqn, ins, out_in_place)
+    if name == "scan":
+      return self._scan(eqn, ins, local, split)
+    subs = [] if fused else _sub_jaxprs(eqn)  # a fused kernel's insides are its own
+    if subs:
+      results = []
+      for sub in subs:
+        sub_env = {v: (value or _Value(0, None, "activations"))
+                   for v, value in zip(sub.invars[-len(ins):] if ins else [], ins)}
+        kept = {v for v, flag in zip(sub.outvars, out_in_place) if flag and not _is_literal(v)}
+        results.append(self.walk(sub, sub_env, local=local, fused_outer=fused, in_place=kept,
+                                 outer_split=max(split, self._split_of(ins))))
+      inner = max(results, key=lambda r: r.peak)
+      outs = []
+      for k, v in enumerate(eqn.outvars):
+        options = [r.outs[k] for r in results if k < len(r.outs)]
+        value = max(options, key=lambda o: o.d or 0) if options else _Value(0, 1, "activations")
+        outs.append(_Value(0, value.d, value.kind, const=value.const))
+      return outs, inner
+    if name == "ragged_dot_general" and self.platform == "cpu":
+      empty = self._ragged_on_cpu(eqn, local, split)
+    elif name == "dot_general" and self.platform == "cpu":
+      empty = self._dot_on_cpu(eqn, ins, local, split)
+    kind = self._kind(eqn)
+    outs = []
+    for v in eqn.outvars:
+      d = self._out_divisor(eqn, v, ins, local)
+      value_kind = self._weight_kind(v.aval, local) if kind == "activations" else kind
+      if name == "device_put" and "pinned_host" in str(eqn.params):
+        value_kind = "host"
+      outs.append(_Value(0, d, value_kind))
+    return outs, empty
+
+  def _ragged_on_cpu(self, eqn, local: bool, split: int) -> _Walk:
+    """XLA's CPU backend runs a ragged dot as one dense float32 product per group over all the
+    rows: each row-indexed operand and result exists once per group while it runs."""
+    groups = eqn.invars[2].aval.shape[0]
+    rows = [v.aval for v in (*eqn.invars[:2], *eqn.outvars) if len(v.aval.shape) == 2]
+    # in float32, whatever the operands' type (as every CPU product)
+    b = sum(groups * _bytes(aval, 1 if local else split) * 4 // np.dtype(aval.dtype).itemsize
+            for aval in rows)
+    return _Walk(b, {"activations": b}, 0, _source(eqn), [])
+
+  def _dot_on_cpu(self, eqn, ins, local: bool, split: int) -> _Walk:
+    """XLA's CPU backend multiplies 16-bit floats in float32: operands and result are converted
+    copies while the product runs."""
+    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
+    if all(np.dtype(a.dtype).itemsize >= 4 for a in avals):
+      return _Walk(0, {}, 0, "", [])
+    splits = [x.d if x is not None and x.d else split for x in ins] + [split]
+    b = sum(_bytes(a, 1 if local else d) * 4 // np.dtype(a.dtype).itemsize
+            for a, d in zip(avals, splits) if np.dtype(a.dtype).itemsize < 4)
+    return _Walk(b, {"activations": b}, 0, _source(eqn), [])
+
+  def _split_of(self, ins: list[_Value | None]) -> int:
+    return max([x.d for x in ins if x is not None and x.d is not None], default=1)
+
+  def _weight_kind(self, aval, local: bool) -> str:
+    """A weight-shaped value outside shard_map: a gradient (in the weights' dtype) or a copy of
+    a weight in another dtype; anything else is an activation."""
+    shape = tuple(getattr(aval, "shape", ()))
+    if local or len(shape) < 2 or shape not in self.weights:
+      return "activations"
+    return "gradients" if np.dtype(aval.dtype) == np.dtype(self.weights[shape][1]) \
+        else "weight copies"
+
+  def _kind(self, eqn) -> str:
+    source = _source(eqn)
+    if source.startswith(_DISPATCH_FILES):
+      return "dispatch buffers"
+    if source.startswith(("optax/", "jmoe/train/optimizer.py")):
+      return "optimizer update"
+    return "activations"
+
+  def _out_divisor(self, eqn, v, ins, local: bool) -> int:
+    if local:
+      return 1
+    if eqn.primitive.name == "sharding_constraint":
+      return _divisor(eqn.params["sharding"].spec, self.mesh_shape)
+    shape = tuple(getattr(v.aval, "shape", ()))
+    if eqn.primitive.name == "iota":  # placed by what it feeds
+      return None
+    if len(shape) > 1 and shape in self.weights:
+      return self.weights[shape][0]
+    # A smaller input that is whole on every device (a mask, a scale) says nothing about where
+    # what it is broadcast into lives.
+    size = math.prod(shape)
+    known = [(x, value.d) for x, value in zip(eqn.invars, ins)
+             if value is not None and value.d is not None
+             and (value.d > 1 or math.prod(getattr(x.aval, "shape", ())) >= size)]
+    same = [d for x, d in known if tuple(getattr(x.aval, "shape", ())) == shape]
+    if same:
+      return max(same)
+    return min(self.num_devices, max(d for _, d in known)) if known else None
+
+  def _shard_map(self, eqn, ins, out_in_place: list[bool]):
+    body = eqn.params["jaxpr"]
+    body = getattr(body, "jaxpr", body)
+    env = {v: _Value(0, 1, value.kind if value else "activations")
+           for v, value in zip(body.invars, ins)}
+    # Inputs come in split as in_specs say; a value split more finely outside is gathered here.
+    kept = {v for v, flag in zip(body.outvars, out_in_place) if flag and not _is_literal(v)}
+    inner = self.walk(body, env, local=True, in_place=kept)
+    outs = []
+    for v, spec, value in zip(eqn.outvars, eqn.params["out_specs"], inner.outs):
+      d = _divisor(spec, self.mesh_shape)
+      kind = self._weight_kind(v.aval, False) if value.kind == "activations" else value.kind
+      outs.append(_Value(0, d, kind, const=value.const))
+    return outs, inner
+
+  def _scan(self, eqn, ins, local: bool, split: int):
+    body = eqn.params["jaxpr"].jaxpr
+    env = {}
+    for v, value in zip(body.invars, ins):
+      env[v] = value or _Value(0, None, "activations")
+    # Each step's stacked outputs are written straight into the loop's output buffers.
+    length = eqn.params["length"]
+    stacked = {v for v, out in zip(body.outvars, eqn.outvars)
+               if not _is_literal(v) and tuple(out.aval.shape) == (length, *v.aval.shape)}
+    inner = self.walk(body, env, local=local, in_place=stacked, outer_split=max(split, self._split_of(ins)))
+    return [_Value(0, value.d, value.kind) for value in inner.outs], inner
+
+
+def _is_literal(v) -> bool:
+  return isinstance(v, Literal)
+

@@ -1,0 +1,96 @@
+"""Per-device memory of a training step, by category, before compiling anything.
+
+  python scripts/estimate_memory.py --config configs/NAME.py [--config.group.key=value ...]
+      [--devices N] [--platform gpu|cpu] [--device-memory-gib 80] [--largest 10] [--compare]
+
+Traces the config's train step on its parallel layout and walks it in program order as XLA's
+buffer assignment would (jmoe/train/memory.py says what it assumes): parameters, optimizer state,
+gradients, weights cast for compute, activations kept for the backward pass under the config's
+`train.remat`, the MoE layer's dispatch buffers, and the optimizer's update, at the step's peak.
+
+`--devices N` estimates for N devices that need not exist: the step is traced on N simulated
+CPU devices (nothing runs), for the GPU platform unless `--platform` says otherwise. `--compare`
+also compiles the step on the devices at hand and prints XLA's own figure and the difference.
+Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+# Run from anywhere: the repository root (this file's parent's parent) is importable.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def simulate_devices(count: int) -> None:
+  """N CPU devices for tracing a layout this machine does not have (before JAX starts)."""
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                 os.environ.get("XLA_FLAGS", ""))
+  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+  os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--devices", type=int, default=0,
+                      help="estimate for this many devices (simulated; default: those at hand)")
+  parser.add_argument("--platform", choices=("gpu", "cpu"),
+                      help="the platform estimated for (default: this one, or gpu with --devices)")
+  parser.add_argument("--device-memory-gib", type=float, default=0.0,
+                      help="each device's memory, to say whether the step fits")
+  parser.add_argument("--largest", type=int, default=10, help="list this many largest buffers")
+  parser.add_argument("--compare", action="store_true",
+                      help="also compile the step here and print XLA's per-device bytes")
+  from jmoe.cli import run, split_overrides
+  rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+  args = parser.parse_args(rest)
+  if args.devices and "jax" not in sys.modules:
+    simulate_devices(args.devices)
+
+  def command() -> int:
+    import jax
+    from jmoe.config import ConfigError, load_config
+    from jmoe.parallel import make_layout
+    from jmoe.train.memory import compiled_bytes, estimate
+    config = load_config(args.config, overrides)
+    devices = jax.devices()
+    if args.devices:
+      if args.devices > len(devices):
+        raise ConfigError(f"--devices {args.devices}: only {len(devices)} devices can be "
+                          "simulated in a process that has already started JAX")
+      devices = devices[:args.devices]
+    platform = args.platform or ("gpu" if args.devices else jax.default_backend())
+    layout = make_layout(config.parallel, devices)
+    result = estimate(config, layout, platform=platform)
+    device_bytes = int(args.device_memory_gib * 2**30)
+    print(f"{len(devices)} {platform} device(s), per device:\n{layout.describe()}")
+    print(result.table(device_bytes or None))
+    if args.largest:
+      print("largest buffers at the peak:")
+      for b, kind, what in result.largest[:args.largest]:
+        print(f"  {b / 2**30:8.3f} GiB  {kind:<18}{what}")
+    record = {"config": args.config, "overrides": overrides, "devices": len(devices),
+              "platform": platform, "total_gib": round(result.total / 2**30, 3),
+              "host_gib": round(result.host / 2**30, 3),
+              **{k.replace(" ", "_") + "_gib": round(v / 2**30, 3)
+                 for k, v in result.by_category.items()}}
+    if device_bytes:
+      record["fits"] = result.total <= device_bytes
+    if args.compare:
+      xla = compiled_bytes(config, layout)
+      record.update(xla_gib=round(xla / 2**30, 3), error=round(result.total / xla - 1, 4))
+      print(f"XLA, compiled here: {xla / 2**30:.3f} GiB per device; "
+            f"the estimate is {result.total / xla - 1:+.1%} off")
+    print(json.dumps(record))
+    return 0
+
+  return run(command)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
