@@ -49,8 +49,11 @@ _ELEMENTWISE = {
     "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
     "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "one_minus_square",
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose", "pvary",
-    "pcast", "bitcast_convert_type", "optimization_barrier",
+    "pcast", "bitcast_convert_type", "optimization_barrier", "add_any",
 }
+# Ops whose result is their operand's buffer, seen anew (a layout constraint, a reshape).
+_ALIASES = {"sharding_constraint", "reshape", "squeeze", "expand_dims", "pvary", "pcast",
+            "optimization_barrier"}
 # Ops that take fused elementwise producers as their inputs.
 _FUSING_CONSUMERS = _ELEMENTWISE | {
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
@@ -126,7 +129,7 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
     if leaf.ndim > 2:  # a stacked layer's slice, as the scan over layers sees it
       weights.setdefault(tuple(leaf.shape[1:]), (d, leaf.dtype))
 
-  jaxpr = closed.jaxpr
+  jaxpr = _flatten(closed.jaxpr)
   env = {v: _Value(_bytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, in_d, in_kind)}
   by_category = {name: 0 for name in CATEGORIES}
   for value in env.values():  # the state and the batch, there throughout
@@ -226,19 +229,78 @@ def _source(eqn) -> str:
 
 # Kernels whose jaxpr describes one program instance, not memory: only their outputs count.
 _KERNELS = ("pallas_call", "triton_kernel_call", "mosaic_gpu_call")
+# Walked as what they are; every other call (jit, custom derivatives, checkpoint) is inlined,
+# as XLA inlines it, so that fusion sees across it.
+_STRUCTURED = ("scan", "while", "cond", "shard_map")
+
+
+class _Var:
+  """A value of the flattened program (a jaxpr Var can appear in several inlined copies)."""
+  __slots__ = ("aval",)
+
+  def __init__(self, aval):
+    self.aval = aval
+
+
+@dataclasses.dataclass
+class _Eqn:
+  name: str
+  params: dict
+  invars: list  # _Var or Literal
+  outvars: list[_Var]
+  source: str
+  fused: bool  # inside a fused kernel
+  backward: bool  # part of the backward pass
+  subs: list  # the jaxprs of a structured op
+
+
+@dataclasses.dataclass
+class _Flat:
+  invars: list[_Var]
+  outvars: list  # _Var or Literal
+  eqns: list[_Eqn]
 
 
 def _sub_jaxprs(eqn) -> list:
   if eqn.primitive.name in _KERNELS:
     return []
   found = []
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "branches"):
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr", "branches"):
     value = eqn.params.get(key)
     if value is None:
       continue
     for item in (value if isinstance(value, (tuple, list)) else (value,)):
       found.append(getattr(item, "jaxpr", item))
   return found
+
+
+def _flatten(jaxpr, fused: bool = False, backward: bool = False) -> _Flat:
+  """`jaxpr` with its calls inlined, over fresh values."""
+  invars = [_Var(v.aval) for v in jaxpr.invars]
+  eqns: list[_Eqn] = []
+  outvars = _inline(jaxpr, invars, fused, backward, eqns)
+  return _Flat(invars, outvars, eqns)
+
+
+def _inline(jaxpr, args: list, fused: bool, backward: bool, eqns: list[_Eqn]) -> list:
+  names = dict(zip(jaxpr.invars, args))
+  names.update((v, _Var(v.aval)) for v in jaxpr.constvars)
+  name = lambda v: v if _is_literal(v) else names[v]
+  for eqn in jaxpr.eqns:
+    stack = str(eqn.source_info.name_stack)
+    in_fused, in_backward = fused or FUSED_SCOPE in stack, backward or "transpose(" in stack
+    ins = [name(v) for v in eqn.invars]
+    subs = _sub_jaxprs(eqn)
+    if eqn.primitive.name not in _STRUCTURED and len(subs) == 1:
+      sub = subs[0]
+      outs = _inline(sub, ins[len(ins) - len(sub.invars):], in_fused, in_backward, eqns)
+      names.update(zip(eqn.outvars, outs))
+      continue
+    outs = [_Var(v.aval) for v in eqn.outvars]
+    names.update(zip(eqn.outvars, outs))
+    eqns.append(_Eqn(eqn.primitive.name, eqn.params, ins, outs, _source(eqn), in_fused,
+                     in_backward, subs))
+  return [name(v) for v in jaxpr.outvars]
 
 
 class _Walker:
@@ -250,8 +312,8 @@ class _Walker:
     self.num_devices = math.prod(mesh_shape.values())
     self.weights = weights
 
-  def walk(self, jaxpr, env: dict, *, in_place=frozenset(), local: bool = False,
-           fused_outer: bool = False, outer_split: int = 1) -> _Walk:
+  def walk(self, jaxpr: _Flat, env: dict, *, in_place=frozenset(), local: bool = False,
+           outer_split: int = 1) -> _Walk:
     """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
     shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
     buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
@@ -262,8 +324,7 @@ class _Walker:
         if not _is_literal(v):
           consumers.setdefault(v, []).append(i)
     outvars = {v for v in jaxpr.outvars if not _is_literal(v)}
-    fused_region = [fused_outer or FUSED_SCOPE in str(eqn.source_info.name_stack)
-                    for eqn in eqns]
+    fused_region = [eqn.fused for eqn in eqns]
 
     # Placement: each output's split from its inputs; a value made from constants alone takes
     # the split of what it feeds (as XLA's sharding propagation does both ways).
@@ -271,7 +332,7 @@ class _Walker:
     # through reshapes and inside calls.
     in_place = set(in_place)
     for eqn in reversed(eqns):
-      if (eqn.primitive.name in _ELEMENTWISE and len(eqn.outvars) == 1
+      if (eqn.name in _ELEMENTWISE and len(eqn.outvars) == 1
           and eqn.outvars[0] in in_place):
         in_place.update(v for v in eqn.invars
                         if not _is_literal(v) and len(consumers.get(v, [])) == 1)
@@ -283,13 +344,18 @@ class _Walker:
                               [v in in_place for v in eqn.outvars])
       inners.append(inner)
       # A value made from constants alone is folded or made where it is used, never stored.
-      const = not _sub_jaxprs(eqn) and all(_is_literal(v) or (v in env and env[v].const)
-                                           for v in eqn.invars)
+      const = not eqn.subs and all(_is_literal(v) or (v in env and env[v].const)
+                                   for v in eqn.invars)
       for v, value in zip(eqn.outvars, outs):
-        env[v] = dataclasses.replace(value, what=f"{v.aval.str_short()} {_source(eqn)}",
+        env[v] = dataclasses.replace(value, what=f"{v.aval.str_short()} {eqn.source}",
                                      const=value.const or const)
 
+    materialized: list[list[bool]] = []
+    made: set = set(jaxpr.invars)  # values with a buffer of their own so far
+
     def stored(i: int, v) -> bool:
+      if eqns[i].name in _ALIASES:  # stored only if an output that its operand's buffer is not
+        return v in outvars and not (eqns[i].invars and eqns[i].invars[0] in made)
       if v in outvars:
         return True
       if env[v].const:
@@ -297,11 +363,13 @@ class _Walker:
       users = consumers.get(v, [])
       if fused_region[i]:  # inside a fused kernel only what leaves it is stored
         return any(not fused_region[j] for j in users)
-      if eqns[i].primitive.name not in _ELEMENTWISE:
+      if eqns[i].name not in _ELEMENTWISE:
         return True
-      return any(eqns[j].primitive.name not in _FUSING_CONSUMERS for j in users)
+      return any(eqns[j].name not in _FUSING_CONSUMERS for j in users)
 
-    materialized = [[stored(i, v) for v in eqn.outvars] for i, eqn in enumerate(eqns)]
+    for i, eqn in enumerate(eqns):
+      materialized.append([stored(i, v) for v in eqn.outvars])
+      made.update(v for v, m in zip(eqn.outvars, materialized[i]) if m)
     # A value's last use: its last consumer, or, when that consumer is fused into later ones,
     # theirs (a fused op reads its inputs when the kernel it joins runs).
     last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
@@ -331,6 +399,9 @@ class _Walker:
         value = env[v]
         value.bytes = _bytes(v.aval, value.d or fallback) if keep and v not in in_place else 0
 
+    dies_after: dict[int, list] = {}
+    for v, i in last_use.items():
+      dies_after.setdefault(i, []).append(v)
     live: dict[Any, _Value] = {}
     by_kind: dict[str, int] = {}
     current, peak, host, where, backward = 0, 0, 0, "", False
@@ -347,11 +418,11 @@ class _Walker:
       made = sum(value.bytes for value in new)
       # A loop's stacked outputs exist before its first step; a call's outputs are counted by
       # its own walk (its outputs are made inside it).
-      moment = current + (made + inner.peak if eqn.primitive.name in ("scan", "while")
+      moment = current + (made + inner.peak if eqn.name in ("scan", "while")
                           else max(made, inner.peak))
       if moment > peak:
-        peak, where = moment, inner.where or _source(eqn)
-        backward = inner.backward or "transpose(" in str(eqn.source_info.name_stack)
+        peak, where = moment, inner.where or eqn.source
+        backward = inner.backward or eqn.backward
         at_peak = dict(by_kind)
         for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
           at_peak[kind] = at_peak.get(kind, 0) + b
@@ -362,8 +433,8 @@ class _Walker:
           live[v] = env[v]
           current += env[v].bytes
           by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
-      for v in {v for v in eqn.invars if not _is_literal(v)}:
-        if last_use.get(v) == i and v in live:
+      for v in dies_after.get(i, ()):
+        if v in live:
           value = live.pop(v)
           current -= value.bytes
           by_kind[value.kind] -= value.bytes
@@ -372,22 +443,22 @@ class _Walker:
                  backward=backward)
 
   # -- one equation: its outputs' placement and kind, and what it needs inside
-  def _eqn(self, eqn, ins: list[_Value | None], local: bool, fused: bool, split: int,
+  def _eqn(self, eqn: _Eqn, ins: list[_Value | None], local: bool, fused: bool, split: int,
            out_in_place: list[bool]):
-    name = eqn.primitive.name
+    name = eqn.name
     empty = _Walk(0, {}, 0, "", [])
     if name == "shard_map":
       return self._shard_map(eqn, ins, out_in_place)
     if name == "scan":
       return self._scan(eqn, ins, local, split)
-    subs = [] if fused else _sub_jaxprs(eqn)  # a fused kernel's insides are its own
-    if subs:
+    subs = [] if fused else eqn.subs  # a fused kernel's insides are its own
+    if subs:  # while, cond: the largest of the bodies or branches
       results = []
       for sub in subs:
+        flat = _flatten(sub, backward=eqn.backward)
         sub_env = {v: (value or _Value(0, None, "activations"))
-                   for v, value in zip(sub.invars[-len(ins):] if ins else [], ins)}
-        kept = {v for v, flag in zip(sub.outvars, out_in_place) if flag and not _is_literal(v)}
-        results.append(self.walk(sub, sub_env, local=local, fused_outer=fused, in_place=kept,
+                   for v, value in zip(flat.invars[-len(ins):] if ins else [], ins)}
+        results.append(self.walk(flat, sub_env, local=local,
                                  outer_split=max(split, self._split_of(ins))))
       inner = max(results, key=lambda r: r.peak)
       outs = []
@@ -418,7 +489,7 @@ class _Walker:
     # in float32, whatever the operands' type (as every CPU product)
     b = sum(groups * _bytes(aval, 1 if local else split) * 4 // np.dtype(aval.dtype).itemsize
             for aval in rows)
-    return _Walk(b, {"activations": b}, 0, _source(eqn), [])
+    return _Walk(b, {"activations": b}, 0, eqn.source, [])
 
   def _dot_on_cpu(self, eqn, ins, local: bool, split: int) -> _Walk:
     """XLA's CPU backend multiplies 16-bit floats in float32: operands and result are converted
@@ -429,7 +500,7 @@ class _Walker:
     splits = [x.d if x is not None and x.d else split for x in ins] + [split]
     b = sum(_bytes(a, 1 if local else d) * 4 // np.dtype(a.dtype).itemsize
             for a, d in zip(avals, splits) if np.dtype(a.dtype).itemsize < 4)
-    return _Walk(b, {"activations": b}, 0, _source(eqn), [])
+    return _Walk(b, {"activations": b}, 0, eqn.source, [])
 
   def _split_of(self, ins: list[_Value | None]) -> int:
     return max([x.d for x in ins if x is not None and x.d is not None], default=1)
@@ -443,8 +514,8 @@ class _Walker:
     return "gradients" if np.dtype(aval.dtype) == np.dtype(self.weights[shape][1]) \
         else "weight copies"
 
-  def _kind(self, eqn) -> str:
-    source = _source(eqn)
+  def _kind(self, eqn: _Eqn) -> str:
+    source = eqn.source
     if source.startswith(_DISPATCH_FILES):
       return "dispatch buffers"
     if source.startswith(("optax/", "jmoe/train/optimizer.py")):
@@ -454,10 +525,10 @@ class _Walker:
   def _out_divisor(self, eqn, v, ins, local: bool) -> int:
     if local:
       return 1
-    if eqn.primitive.name == "sharding_constraint":
+    if eqn.name == "sharding_constraint":
       return _divisor(eqn.params["sharding"].spec, self.mesh_shape)
     shape = tuple(getattr(v.aval, "shape", ()))
-    if eqn.primitive.name == "iota":  # placed by what it feeds
+    if eqn.name == "iota":  # placed by what it feeds
       return None
     if len(shape) > 1 and shape in self.weights:
       return self.weights[shape][0]
@@ -472,12 +543,11 @@ class _Walker:
       return max(same)
     return min(self.num_devices, max(d for _, d in known)) if known else None
 
-  def _shard_map(self, eqn, ins, out_in_place: list[bool]):
-    body = eqn.params["jaxpr"]
-    body = getattr(body, "jaxpr", body)
+  def _shard_map(self, eqn: _Eqn, ins, out_in_place: list[bool]):
+    body = _flatten(eqn.subs[0], backward=eqn.backward)
+    # Inside, every value is one device's: its shape is what it takes.
     env = {v: _Value(0, 1, value.kind if value else "activations")
            for v, value in zip(body.invars, ins)}
-    # Inputs come in split as in_specs say; a value split more finely outside is gathered here.
     kept = {v for v, flag in zip(body.outvars, out_in_place) if flag and not _is_literal(v)}
     inner = self.walk(body, env, local=True, in_place=kept)
     outs = []
@@ -487,16 +557,15 @@ class _Walker:
       outs.append(_Value(0, d, kind, const=value.const))
     return outs, inner
 
-  def _scan(self, eqn, ins, local: bool, split: int):
-    body = eqn.params["jaxpr"].jaxpr
-    env = {}
-    for v, value in zip(body.invars, ins):
-      env[v] = value or _Value(0, None, "activations")
+  def _scan(self, eqn: _Eqn, ins, local: bool, split: int):
+    body = _flatten(eqn.subs[0], backward=eqn.backward)
+    env = {v: value or _Value(0, None, "activations") for v, value in zip(body.invars, ins)}
     # Each step's stacked outputs are written straight into the loop's output buffers.
     length = eqn.params["length"]
     stacked = {v for v, out in zip(body.outvars, eqn.outvars)
                if not _is_literal(v) and tuple(out.aval.shape) == (length, *v.aval.shape)}
-    inner = self.walk(body, env, local=local, in_place=stacked, outer_split=max(split, self._split_of(ins)))
+    inner = self.walk(body, env, local=local, in_place=stacked,
+                      outer_split=max(split, self._split_of(ins)))
     return [_Value(0, value.d, value.kind) for value in inner.outs], inner
 
 
