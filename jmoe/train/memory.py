@@ -566,7 +566,45 @@ class _Walker:
                if not _is_literal(v) and tuple(out.aval.shape) == (length, *v.aval.shape)}
     inner = self.walk(body, env, local=local, in_place=stacked,
                       outer_split=max(split, self._split_of(ins)))
+    hoisted = self._transposed_stacks(body, ins, length, local, split)
+    if hoisted:
+      inner = dataclasses.replace(inner, peak=inner.peak + hoisted,
+                                  at_peak={**inner.at_peak, "weight copies":
+                                           inner.at_peak.get("weight copies", 0) + hoisted})
     return [_Value(0, value.d, value.kind) for value in inner.outs], inner
+
+  def _transposed_stacks(self, body: _Flat, ins, length: int, local: bool, split: int) -> int:
+    """Bytes of the stacked operands (a stack of layers' weights) that the loop reads in another
+    layout: XLA lays such an operand out as its products want it, one transposed copy of the
+    whole stack made before the loop."""
+    copied = set()
+
+    def visit(flat: _Flat, origin: dict) -> None:  # origin: value -> index of the loop input
+      for eqn in flat.eqns:
+        known = lambda v: not _is_literal(v) and v in origin
+        if eqn.name in _ALIASES and eqn.invars and known(eqn.invars[0]):
+          origin[eqn.outvars[0]] = origin[eqn.invars[0]]
+        if eqn.name == "shard_map":  # the stack's slice, and reshapes of it, in and out
+          inner = _flatten(eqn.subs[0])
+          inner_origin = {w: origin[v] for v, w in zip(eqn.invars, inner.invars) if known(v)}
+          visit(inner, inner_origin)
+          origin.update((v, inner_origin[w]) for v, w in zip(eqn.outvars, inner.outvars)
+                        if not _is_literal(w) and w in inner_origin)
+        rhs = None
+        if eqn.name == "ragged_dot_general" and len(eqn.invars[1].aval.shape) == 3:
+          (_, (contract,)), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+          if contract == 2:  # read as [group, N, K]
+            rhs = eqn.invars[1]
+        elif eqn.name == "transpose" and not eqn.fused:
+          rhs = eqn.invars[0]
+        if rhs is not None and known(rhs):
+          copied.add(origin[rhs])
+
+    visit(body, dict(zip(body.invars, range(len(body.invars)))))
+    copied = {k for k in copied if ins[k] is not None and len(body.invars[k].aval.shape) >= 2
+              and ins[k].kind in ("parameters", "gradients", "weight copies")}
+    return sum(length * _bytes(body.invars[k].aval, 1 if local else (ins[k].d or split))
+               for k in copied)
 
 
 def _is_literal(v) -> bool:
