@@ -8,9 +8,10 @@ buffer assignment would (jmoe/train/memory.py says what it assumes): parameters,
 gradients, weights cast for compute, activations kept for the backward pass under the config's
 `train.remat`, the MoE layer's dispatch buffers, and the optimizer's update, at the step's peak.
 
-`--devices N` estimates for N devices that need not exist: the step is traced on N simulated
-CPU devices (nothing runs), for the GPU platform unless `--platform` says otherwise. `--compare`
-also compiles the step on the devices at hand and prints XLA's own figure and the difference.
+`--devices N` estimates for N devices: the first N at hand or, when there are fewer, N simulated
+CPU devices (the script runs itself again with them; nothing runs on them, the step is only
+traced), for the GPU platform unless `--platform` says otherwise. `--compare` also compiles the
+step on the devices at hand and prints XLA's own figure and the difference.
 Prints a table, then one JSON line.
 """
 
@@ -49,8 +50,6 @@ def main(argv: list[str] | None = None) -> int:
   from jmoe.cli import run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
-  if args.devices and "jax" not in sys.modules:
-    simulate_devices(args.devices)
 
   def command() -> int:
     import jax
@@ -59,12 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.train.memory import compiled_bytes, estimate
     config = load_config(args.config, overrides)
     devices = jax.devices()
+    simulated = os.environ.get("JMOE_SIMULATED_DEVICES") == str(args.devices)
+    if args.devices > len(devices):
+      if simulated or argv is not None:
+        raise ConfigError(f"--devices {args.devices}: this process has {len(devices)} devices "
+                          "and cannot simulate more once JAX has started")
+      # Again, in a fresh process with that many simulated CPU devices.
+      simulate_devices(args.devices)
+      os.environ["JMOE_SIMULATED_DEVICES"] = str(args.devices)
+      sys.stdout.flush()
+      os.execv(sys.executable, [sys.executable, *sys.argv])
     if args.devices:
-      if args.devices > len(devices):
-        raise ConfigError(f"--devices {args.devices}: only {len(devices)} devices can be "
-                          "simulated in a process that has already started JAX")
       devices = devices[:args.devices]
-    platform = args.platform or ("gpu" if args.devices else jax.default_backend())
+    if args.compare and simulated:
+      raise ConfigError("--compare compiles on the devices at hand; these are simulated")
+    platform = args.platform or ("gpu" if simulated else jax.default_backend())
     layout = make_layout(config.parallel, devices)
     result = estimate(config, layout, platform=platform)
     device_bytes = int(args.device_memory_gib * 2**30)

@@ -32,9 +32,9 @@ KV_AXES = ("act_batch", None, "act_kv_heads", None)
 log = logging.getLogger("jmoe")
 
 
-# While jmoe.train.memory estimates a GPU run on another platform, attention stands for cuDNN's
-# fused kernel (`_like_fused_kernel`), under this name scope: the estimate counts what is made
-# inside it as the kernel's own working memory, never stored.
+# While jmoe.train.memory estimates a GPU run, attention stands for cuDNN's fused kernel
+# (`_like_fused_kernel`, traceable on any platform), under this name scope: the estimate counts
+# what is made inside it as the kernel's own working memory, never stored.
 FUSED_SCOPE = "fused_attention"
 _AS_ON_GPU: contextvars.ContextVar[bool] = contextvars.ContextVar("jmoe_as_on_gpu", default=False)
 
@@ -60,7 +60,7 @@ def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.
   if kernel == "auto":
     gpu_16bit = (on_gpu or _AS_ON_GPU.get()) and q_BSHA.dtype in (jnp.bfloat16, jnp.float16)
     kernel = "cudnn" if gpu_16bit else "xla"
-  if kernel == "cudnn" and not on_gpu and _AS_ON_GPU.get():
+  if kernel == "cudnn" and _AS_ON_GPU.get():
     return _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs)
   if kernel == "cudnn":
     try:
@@ -72,7 +72,7 @@ def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.
 
 
 def _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  """Attention as cuDNN's fused kernel holds memory, for estimates traced off a GPU: the backward
+  """Attention as cuDNN's fused kernel holds memory, for memory estimates: the backward
   pass keeps its inputs, its output and float32 softmax statistics per query and head (their
   size; this path is traced, never run), and recomputes the rest inside the kernel."""
   arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}

@@ -103,13 +103,16 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
   from jmoe.train.step import make_train_step
 
   platform = platform or jax.default_backend()
+  if platform == "gpu" and config.moe.gemm in ("auto", "tokamax"):
+    # tokamax's kernels hold what XLA's grouped GEMM holds (their inputs and outputs); the
+    # portable one traces on any platform and shows the layouts its operands are read in.
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, gemm="ragged_dot"))
   optimizer = make_optimizer(config.train)
   spec = state_spec(config, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
-  fused = platform == "gpu" and jax.default_backend() != "gpu"
-  with layout.active(), (traced_as_on_gpu() if fused else contextlib.nullcontext()):
+  with layout.active(), (traced_as_on_gpu() if platform == "gpu" else contextlib.nullcontext()):
     closed = jax.make_jaxpr(step)(spec.abstract, batch)
 
   state_leaves = jax.tree.leaves(spec.abstract)
@@ -476,7 +479,8 @@ class _Walker:
     for v in eqn.outvars:
       d = self._out_divisor(eqn, v, ins, local)
       value_kind = self._weight_kind(v.aval, local) if kind == "activations" else kind
-      if name == "device_put" and "pinned_host" in str(eqn.params):
+      if name == "device_put" and any(kind in str(eqn.params.get("devices"))
+                                      for kind in ("Host", "pinned_host")):
         value_kind = "host"
       outs.append(_Value(0, d, value_kind))
     return outs, empty
@@ -553,7 +557,9 @@ class _Walker:
     outs = []
     for v, spec, value in zip(eqn.outvars, eqn.params["out_specs"], inner.outs):
       d = _divisor(spec, self.mesh_shape)
-      kind = self._weight_kind(v.aval, False) if value.kind == "activations" else value.kind
+      kind = value.kind if value.kind == "optimizer update" else (
+          self._weight_kind(v.aval, False) if self._weight_kind(v.aval, False) != "activations"
+          else value.kind)
       outs.append(_Value(0, d, kind, const=value.const))
     return outs, inner
 
