@@ -37,13 +37,13 @@ class MLAttention(nnx.Module):
     if m.q_lora_rank:
       self.w_q_a_DR = param(rngs, (d, m.q_lora_rank), ("embed", None), **kw)
       self.q_a_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
-      self.w_q_b_RHK = param(rngs, (m.q_lora_rank, h, k), (None, "heads", None), **kw)
+      self.w_q_b_RHK = param(rngs, (m.q_lora_rank, h, k), ("latent", "heads", None), **kw)
     else:
       self.w_q_DHK = param(rngs, (d, h, k), ("embed", "heads", None), **kw)
     self.w_kv_a_DR = param(rngs, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None), **kw)
     self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
     self.w_kv_b_RHK = param(rngs, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
-                            (None, "heads", None), **kw)
+                            ("latent", "heads", None), **kw)
     self.w_o_HVD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,

@@ -5,7 +5,8 @@ follow the expert layout. A dimension that its mesh axes do not divide stays who
 """
 
 DENSE_PARAMS = {
-    "embed": "fsdp",  # FSDP shards every dense weight along the model width
+    "embed": "fsdp",  # FSDP shards every dense weight along the model width ...
+    "latent": "fsdp",  # ... or, for MLA's up-projections (no model-width axis), the latent rank
     "vocab": "tensor",
     "heads": "tensor",
     "kv_heads": "tensor",
