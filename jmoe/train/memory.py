@@ -95,23 +95,27 @@ class MemoryEstimate:
 
 # ---- tracing the step
 
-def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> MemoryEstimate:
-  """Traces the config's train step on `layout` and walks it. `platform`: the one to estimate for
-  (default: this one); "gpu" from another platform models attention as cuDNN's fused kernel."""
+def _train_step(config: Config, layout: Layout):
+  """The jitted-to-be train step of `config` on `layout`, its StateSpec and its batch's shape."""
   from jmoe.train.optimizer import learning_rate, make_optimizer
   from jmoe.train.state import state_spec
   from jmoe.train.step import make_train_step
 
-  platform = platform or jax.default_backend()
-  if platform == "gpu" and config.moe.gemm in ("auto", "tokamax"):
-    # tokamax's kernels hold what XLA's grouped GEMM holds (their inputs and outputs); the
-    # portable one traces on any platform and shows the layouts its operands are read in.
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, gemm="ragged_dot"))
   optimizer = make_optimizer(config.train)
   spec = state_spec(config, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}
-  step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
+  return make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)), spec, batch
+
+
+def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> MemoryEstimate:
+  """Traces the config's train step on `layout` and walks it. `platform`: the one to estimate for
+  (default: this one). For "gpu", attention is cuDNN's fused kernel and the grouped GEMM is
+  XLA's (tokamax's kernels hold the same buffers), on whatever platform the trace runs."""
+  platform = platform or jax.default_backend()
+  if platform == "gpu" and config.moe.gemm in ("auto", "tokamax"):
+    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, gemm="ragged_dot"))
+  step, spec, batch = _train_step(config, layout)
   with layout.active(), (traced_as_on_gpu() if platform == "gpu" else contextlib.nullcontext()):
     closed = jax.make_jaxpr(step)(spec.abstract, batch)
 
@@ -151,23 +155,22 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
   """What XLA's compiled train step takes per device: its arguments (the state, donated, and the
   batch), the outputs that do not reuse them, and its temporaries. Compiles; for checking the
   estimate on devices at hand."""
-  from jmoe.train.optimizer import learning_rate, make_optimizer
-  from jmoe.train.state import state_spec
-  from jmoe.train.step import make_train_step
-
-  optimizer = make_optimizer(config.train)
-  spec = state_spec(config, layout, optimizer)
-  batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
-                                          np.int32)}
+  step, spec, batch = _train_step(config, layout)
   with layout.active():
-    compiled = jax.jit(make_train_step(spec.graphdef, config, optimizer,
-                                       learning_rate(config.train)),
-                       in_shardings=(spec.shardings, layout.batch),
+    compiled = jax.jit(step, in_shardings=(spec.shardings, layout.batch),
                        out_shardings=(spec.shardings, layout.replicated),
                        donate_argnums=0).lower(spec.abstract, batch).compile()
   m = compiled.memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
+
+
+def function_peak(fn, *args, platform: str = "gpu") -> int:
+  """Bytes a function needs on one device beyond its arguments, at its peak, by the same walk
+  (`args`: arrays or ShapeDtypeStructs)."""
+  jaxpr = _flatten(jax.make_jaxpr(fn)(*args).jaxpr)
+  env = {v: _Value(_bytes(v.aval, 1), 1, "batch") for v in jaxpr.invars}
+  return _Walker({}, {}, platform).walk(jaxpr, env).peak
 
 
 def _state_kinds(abstract) -> list[str]:

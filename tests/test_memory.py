@@ -1,0 +1,144 @@
+"""The per-device memory estimate (jmoe/train/memory.py, scripts/estimate_memory.py): against XLA's
+compiled figure on CPU layouts, and its rules on small functions whose memory is known."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import merge, tiny_config
+from jmoe.model.attention import _like_fused_kernel
+from jmoe.parallel import make_layout
+from jmoe.train.memory import compiled_bytes, estimate, function_peak
+
+ROOT = pathlib.Path(__file__).parents[1]
+# Proportions of a real layer (wide GEMMs, short sequences) at a size CPUs compile quickly.
+BASE = dict(model=dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32,
+                       d_ff=1024),
+            moe=dict(d_ff_expert=256), train=dict(batch_size=64), data=dict(seq_len=64))
+LAYOUTS = {
+    "data 8": {},
+    "fsdp 8": dict(parallel=dict(dense=dict(data=1, fsdp=8))),
+    "data 4 x tensor 2": dict(parallel=dict(dense=dict(data=4, tensor=2))),
+    "data 4 x context 2": dict(parallel=dict(dense=dict(data=4, context=2))),
+    "expert 8, all-to-all": dict(parallel=dict(expert=dict(data=1, expert=8)),
+                                 moe=dict(dispatcher="alltoall")),
+    "4 micro-batches": dict(train=dict(micro_batch_size=16)),
+}
+MIB = 2**20
+
+
+def config(**overrides):
+  return tiny_config(**merge(BASE, overrides))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_estimate_is_within_ten_percent_of_xla(name):
+  cfg = config(**LAYOUTS[name])
+  layout = make_layout(cfg.parallel)
+  estimated = estimate(cfg, layout, platform="cpu").total
+  compiled = compiled_bytes(cfg, layout)
+  print(f"{name}: estimate {estimated / MIB:.1f} MiB, XLA {compiled / MIB:.1f} MiB, "
+        f"{estimated / compiled - 1:+.1%}")
+  assert abs(estimated / compiled - 1) < 0.10
+
+
+def test_state_and_batch_are_exact():
+  """Parameters, optimizer state and batch are placed by their shardings: they are XLA's
+  argument bytes to the byte."""
+  cfg = config(parallel=dict(dense=dict(data=1, fsdp=8), expert=dict(data=2, expert=4)))
+  layout = make_layout(cfg.parallel)
+  from jmoe.train.memory import _train_step
+  step, spec, batch = _train_step(cfg, layout)
+  with layout.active():
+    compiled = jax.jit(step, in_shardings=(spec.shardings, layout.batch)).lower(
+        spec.abstract, batch).compile()
+  c = estimate(cfg, layout, platform="cpu").by_category
+  assert (c["parameters"] + c["optimizer state"] + c["batch"]
+          == compiled.memory_analysis().argument_size_in_bytes)
+
+
+def test_offloaded_activations_are_host_memory():
+  cfg = config(train=dict(remat="offload_attention_moe"))
+  est = estimate(cfg, make_layout(cfg.parallel), platform="cpu")
+  m = cfg.model
+  tokens = cfg.train.batch_size * cfg.data.seq_len // 8  # per device
+  attention_out = m.num_layers * tokens * m.num_heads * m.head_dim * 4
+  moe_input = (m.num_layers - cfg.moe.first_k_dense) * tokens * m.d_model * 4
+  assert est.host == attention_out + moe_input
+  kept = estimate(config(train=dict(remat="attention_moe")), make_layout(cfg.parallel),
+                  platform="cpu")
+  assert kept.host == 0
+
+
+def test_walk_rules():
+  x = jax.ShapeDtypeStruct((1024, 1024), jnp.float32)  # 4 MiB
+  # Elementwise chains fuse into their reduction: nothing but the scalar is stored.
+  assert function_peak(lambda x: jnp.sum(jnp.exp(jnp.exp(x) + 1)), x) == 4
+  # A product's result is stored, and lives until its last use.
+  assert function_peak(lambda x: jnp.sum((x @ x) @ x), x) == 8 * MIB
+  assert function_peak(lambda x: jnp.sum(x @ x) + jnp.sum(x + 1), x) == 4 * MIB + 4
+  # A loop's stacked outputs exist from its start; each step writes its slice in place.
+  stacked = lambda x: jax.lax.scan(lambda c, _: (c, c @ c), x, None, length=4)[1]
+  assert function_peak(stacked, x) == 4 * 4 * MIB
+  # A function called inside is inlined: its elementwise result fuses into the caller's sum.
+  inner = jax.jit(lambda x: jnp.exp(x) * 2)
+  assert function_peak(lambda x: jnp.sum(inner(x)), x) == 4
+
+
+def test_fused_attention_stand_in_is_attention():
+  """What GPU estimates trace for cuDNN's kernel computes attention and its gradients."""
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in keys)
+  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  fused = lambda q, k, v: _like_fused_kernel(q, k, v, is_causal=True)
+  np.testing.assert_allclose(fused(q, k, v), xla(q, k, v), rtol=1e-6)
+  loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
+  grads = (jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (fused, xla))
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # For GPUs (16-bit, where jmoe picks cuDNN), the scores are the kernel's own: no [B, H, S, S]
+  # buffer is kept.
+  cfg = config(data=dict(seq_len=320), train=dict(batch_size=8),
+               precision=dict(compute="bfloat16"))
+  layout = make_layout(cfg.parallel)
+  scores = lambda est: [w for _, _, w in est.largest if "320,320]" in w]
+  assert scores(estimate(cfg, layout, platform="cpu"))
+  assert not scores(estimate(cfg, layout, platform="gpu"))
+
+
+def test_script_compares_with_xla(capsys):
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import estimate_memory
+  assert estimate_memory.main(["--config", str(ROOT / "configs/tiny_moe.py"), "--compare",
+                               "--config.train.batch_size=16"]) == 0
+  record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert record["devices"] == 8 and record["platform"] == "cpu"
+  assert abs(record["error"]) < 0.10
+
+
+def test_script_simulates_devices_it_lacks():
+  """DeepSeek-V3 (671B) on 256 GPUs of 80 GB, the layout docs/MEMORY.md recommends: traced on
+  256 simulated devices in a process of its own."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  out = subprocess.run(
+      [sys.executable, str(ROOT / "scripts/estimate_memory.py"), "--config",
+       str(ROOT / "configs/deepseek_v3.py"), "--devices", "256", "--device-memory-gib", "80",
+       "--config.parallel.dense.data=1", "--config.parallel.dense.fsdp=32",
+       "--config.parallel.dense.tensor=8", "--config.parallel.expert.data=32",
+       "--config.parallel.expert.expert=8", "--config.train.batch_size=128",
+       "--config.train.micro_batch_size=64", "--config.train.remat=full"],
+      capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  record = json.loads(out.stdout.strip().splitlines()[-1])
+  assert record["devices"] == 256 and record["platform"] == "gpu" and record["fits"]
+  # 671B parameters, float32, spread evenly over 256 devices (the embeddings' norms aside)
+  assert record["parameters_gib"] == pytest.approx(671e9 * 4 / 256 / 2**30, rel=0.03)
