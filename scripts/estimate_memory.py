@@ -80,8 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     print(result.table(device_bytes or None))
     if args.largest:
       print("largest buffers at the peak:")
+      unit, scale = ("GiB", 2**30) if result.total >= 2**30 else ("MiB", 2**20)
       for b, kind, what in result.largest[:args.largest]:
-        print(f"  {b / 2**30:8.3f} GiB  {kind:<18}{what}")
+        print(f"  {b / scale:8.3f} {unit}  {kind:<18}{what}")
     record = {"config": args.config, "overrides": overrides, "devices": len(devices),
               "platform": platform, "total_gib": round(result.total / 2**30, 3),
               "host_gib": round(result.host / 2**30, 3),

@@ -1,25 +1,30 @@
 """Per-device memory of a training step, estimated before anything is compiled.
 
-The train step is traced (not compiled) on the config's layout, and its jaxpr is walked in program
-order the way XLA's buffer assignment would see it: every value that must exist in memory is
-allocated when produced and freed after its last use, and the largest total along the way is the
-step's peak. What the walk assumes about XLA:
+The train step is traced (not compiled) on the config's layout, its calls inlined, and the jaxpr
+walked in program order the way XLA's buffer assignment would see it: a value that must exist in
+memory is allocated by the op that makes it and freed after its last use, and the largest total
+along the way, plus the state, is the step's peak. What the walk assumes of XLA:
 
-- elementwise ops, broadcasts, reshapes and converts fuse into their consumers when those can take
-  them (other elementwise ops and reductions), so their outputs are not stored; operands of GEMMs,
-  sorts, gathers, collectives and loops are;
-- a fused kernel (cuDNN attention; regions under the `fused_attention` name scope) keeps only the
-  values that leave it;
+- elementwise ops, broadcasts and converts fuse into the ops that read them when those can take
+  them (elementwise ops, reductions), so their results are not stored; operands of GEMMs, sorts,
+  gathers, scatters, collectives and loops are; reshapes and sharding constraints are their
+  operand's buffer; values made from constants alone are folded;
+- a fused kernel (cuDNN attention; what runs under the `fused_attention` name scope) keeps only
+  the values that leave it;
 - the train state is donated: the new state overwrites the old one in place;
+- a loop allocates its stacked outputs before its first step and each step writes its slice in
+  place; stacked weights its grouped GEMMs read transposed get one transposed copy of the stack;
 - per device, a value takes its global bytes over the number of devices it is split across: known
   exactly for the train state, the batch, every `constrain`ed activation and everything inside the
-  MoE layer's `shard_map`; elsewhere taken from the value's operands (weight-shaped values are
-  placed like the weights).
+  MoE layer's `shard_map`; elsewhere taken from the value's operands or from what it feeds
+  (weight-shaped values are placed like the weights);
+- on CPUs, XLA's ragged dot is one dense product per group and 16-bit products run in float32.
 
 Each stored value is put in a category by where it comes from: parameters, optimizer state,
-gradients, weight copies (weights cast to the compute dtype), activations, dispatch buffers (the
-MoE layer's exchange of tokens), the optimizer's update, the batch; values offloaded to host
-memory are counted apart. `estimate(config, layout)` returns the categories at the peak.
+gradients, weight copies (weights cast or laid out anew), activations, dispatch buffers (the MoE
+layer's exchange of tokens), the optimizer's update, the batch; values offloaded to host memory
+are counted apart. `estimate(config, layout)` returns the categories at the peak; docs/MEMORY.md
+has its measured error.
 """
 
 from __future__ import annotations
@@ -223,13 +228,15 @@ class _Walk:
 
 
 def _source(eqn) -> str:
+  """The jmoe (or optax) line that made `eqn`, e.g. "jmoe/moe/experts.py:34"; else its op."""
   frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
   for frame in frames:
-    name = frame.file_name.replace("\\", "/")
-    if ("/jmoe/" in name and "/jmoe/train/step.py" not in name
-        and "/jmoe/train/memory.py" not in name) or "/optax/" in name:
-      return f"{name[name.rfind('jmoe/') if '/jmoe/' in name else name.rfind('optax/'):]}:" \
-             f"{frame.line_num}"
+    path = frame.file_name.replace("\\", "/")
+    if path.endswith(("jmoe/train/step.py", "jmoe/train/memory.py")):
+      continue  # the step's driver, not where a value comes from
+    for root in ("/jmoe/", "/optax/"):
+      if root in path:
+        return f"{path[path.rfind(root) + 1:]}:{frame.line_num}"
   return eqn.primitive.name
 
 
@@ -525,7 +532,7 @@ class _Walker:
     source = eqn.source
     if source.startswith(_DISPATCH_FILES):
       return "dispatch buffers"
-    if source.startswith(("optax/", "jmoe/train/optimizer.py")):
+    if source.startswith(_OPTIMIZER_FILES):
       return "optimizer update"
     return "activations"
 
