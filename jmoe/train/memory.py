@@ -316,6 +316,106 @@ def _inline(jaxpr, args: list, fused: bool, backward: bool, eqns: list[_Eqn]) ->
   return [name(v) for v in jaxpr.outvars]
 
 
+def _values(vs) -> list:
+  return [v for v in vs if not _is_literal(v)]
+
+
+def _uses(jaxpr: _Flat) -> dict[Any, list[int]]:
+  """Each value's consumers, by equation index."""
+  uses: dict[Any, list[int]] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in _values(eqn.invars):
+      uses.setdefault(v, []).append(i)
+  return uses
+
+
+def _written_in_place(jaxpr: _Flat, in_place, uses: dict) -> set:
+  """The values written straight into donated or loop buffers: the outputs said so, and what
+  only elementwise ops (reshapes, converts) lie between them and such an output."""
+  in_place = set(in_place)
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.name in _ELEMENTWISE and len(eqn.outvars) == 1 and eqn.outvars[0] in in_place:
+      in_place.update(v for v in _values(eqn.invars) if len(uses.get(v, [])) == 1)
+  return in_place
+
+
+def _storage(jaxpr: _Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict[Any, int]]:
+  """Which outputs get a buffer of their own, and each value's last use: its last consumer or,
+  when that consumer fuses into later ones, theirs (a fused op reads its inputs when the kernel
+  it joins runs)."""
+  eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
+  made = set(jaxpr.invars)  # values with a buffer of their own so far
+
+  def stored(i: int, v) -> bool:
+    eqn = eqns[i]
+    if eqn.name in _ALIASES:  # its operand's buffer, unless an output that buffer is not
+      return v in outvars and not (eqn.invars and eqn.invars[0] in made)
+    if v in outvars:
+      return True
+    if env[v].const:
+      return False
+    users = uses.get(v, [])
+    if eqn.fused:  # inside a fused kernel only what leaves it is stored
+      return any(not eqns[j].fused for j in users)
+    if eqn.name not in _ELEMENTWISE:
+      return True
+    return any(eqns[j].name not in _FUSING_CONSUMERS for j in users)
+
+  kept = []
+  for i, eqn in enumerate(eqns):
+    kept.append([stored(i, v) for v in eqn.outvars])
+    made.update(v for v, k in zip(eqn.outvars, kept[i]) if k)
+  last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
+  for i in reversed(range(len(eqns))):
+    until = i if any(kept[i]) else max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
+    for v in _values(eqns[i].invars):
+      last_use[v] = max(last_use.get(v, -1), until)
+  return kept, last_use
+
+
+def _live(jaxpr: _Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
+  """Runs the program over its buffers: the most bytes live at once, what they are, and where."""
+  dies_after: dict[int, list] = {}
+  for v, i in last_use.items():
+    dies_after.setdefault(i, []).append(v)
+  live: dict[Any, _Value] = {}
+  by_kind: dict[str, int] = {}
+  current, peak, host, where, backward = 0, 0, 0, "", False
+  at_peak: dict[str, int] = {}
+  largest: list[_Value] = []
+  for i, (eqn, inner) in enumerate(zip(jaxpr.eqns, inners)):
+    new = [env[v] for v in eqn.outvars]
+    for value in new:
+      if value.kind == "host":
+        host, value.bytes = host + value.bytes, 0
+    made = sum(value.bytes for value in new)
+    # A loop's stacked outputs exist before its first step; a call's outputs are counted by its
+    # own walk (they are made inside it).
+    moment = current + (made + inner.peak if eqn.name in ("scan", "while")
+                        else max(made, inner.peak))
+    if moment > peak:
+      peak, where = moment, inner.where or eqn.source
+      backward = inner.backward or eqn.backward
+      at_peak = dict(by_kind)
+      for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
+        at_peak[kind] = at_peak.get(kind, 0) + b
+      largest = sorted([*live.values(), *new, *inner.largest], key=lambda x: -x.bytes)[:40]
+    host += inner.host
+    for v in eqn.outvars:
+      if env[v].bytes and v in last_use:
+        live[v] = env[v]
+        current += env[v].bytes
+        by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
+    for v in dies_after.get(i, ()):
+      if v in live:
+        value = live.pop(v)
+        current -= value.bytes
+        by_kind[value.kind] -= value.bytes
+  outs = [_Value(0, 1, "activations") if _is_literal(v) else env[v] for v in jaxpr.outvars]
+  return _Walk(peak=peak, at_peak=at_peak, host=host, where=where, outs=outs, largest=largest,
+               backward=backward)
+
+
 class _Walker:
 
   def __init__(self, mesh_shape: dict[str, int], weights: dict[tuple[int, ...], tuple[int, Any]],
@@ -330,31 +430,26 @@ class _Walker:
     """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
     shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
     buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
-    eqns = jaxpr.eqns
-    consumers: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(eqns):
-      for v in eqn.invars:
-        if not _is_literal(v):
-          consumers.setdefault(v, []).append(i)
-    outvars = {v for v in jaxpr.outvars if not _is_literal(v)}
-    fused_region = [eqn.fused for eqn in eqns]
-
-    # Placement: each output's split from its inputs; a value made from constants alone takes
-    # the split of what it feeds (as XLA's sharding propagation does both ways).
-    # What ends in a donated or loop buffer is written there by the op that makes it, even
-    # through reshapes and inside calls.
-    in_place = set(in_place)
-    for eqn in reversed(eqns):
-      if (eqn.name in _ELEMENTWISE and len(eqn.outvars) == 1
-          and eqn.outvars[0] in in_place):
-        in_place.update(v for v in eqn.invars
-                        if not _is_literal(v) and len(consumers.get(v, [])) == 1)
-    inners = []
+    uses = _uses(jaxpr)
+    in_place = _written_in_place(jaxpr, in_place, uses)
     fallback = max([env[v].d or 1 for v in jaxpr.invars if v in env] + [outer_split])
-    for i, eqn in enumerate(eqns):
+    inners = self._place(jaxpr, env, uses, in_place, local, fallback)
+    stored, last_use = _storage(jaxpr, env, uses)
+    for eqn, keep in zip(jaxpr.eqns, stored):
+      for v, kept in zip(eqn.outvars, keep):
+        env[v].bytes = _bytes(v.aval, env[v].d or fallback) if kept and v not in in_place else 0
+    return _live(jaxpr, env, inners, last_use)
+
+  def _place(self, jaxpr: _Flat, env: dict, uses: dict, in_place: set, local: bool,
+             fallback: int) -> list[_Walk]:
+    """Puts each equation's outputs in `env` (split, category) and returns what each needs
+    inside. A value nothing places takes the split of what it feeds, as XLA's sharding
+    propagation goes both ways; failing that, the split of this jaxpr's inputs."""
+    eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
+    inners = []
+    for eqn in eqns:
       outs, inner = self._eqn(eqn, [None if _is_literal(v) else env.get(v) for v in eqn.invars],
-                              local, fused_region[i], fallback,
-                              [v in in_place for v in eqn.outvars])
+                              local, eqn.fused, fallback, [v in in_place for v in eqn.outvars])
       inners.append(inner)
       # A value made from constants alone is folded or made where it is used, never stored.
       const = not eqn.subs and all(_is_literal(v) or (v in env and env[v].const)
@@ -363,97 +458,18 @@ class _Walker:
         env[v] = dataclasses.replace(value, what=f"{v.aval.str_short()} {eqn.source}",
                                      const=value.const or const)
 
-    materialized: list[list[bool]] = []
-    made: set = set(jaxpr.invars)  # values with a buffer of their own so far
-
-    def stored(i: int, v) -> bool:
-      if eqns[i].name in _ALIASES:  # stored only if an output that its operand's buffer is not
-        return v in outvars and not (eqns[i].invars and eqns[i].invars[0] in made)
-      if v in outvars:
-        return True
-      if env[v].const:
-        return False
-      users = consumers.get(v, [])
-      if fused_region[i]:  # inside a fused kernel only what leaves it is stored
-        return any(not fused_region[j] for j in users)
-      if eqns[i].name not in _ELEMENTWISE:
-        return True
-      return any(eqns[j].name not in _FUSING_CONSUMERS for j in users)
-
-    for i, eqn in enumerate(eqns):
-      materialized.append([stored(i, v) for v in eqn.outvars])
-      made.update(v for v, m in zip(eqn.outvars, materialized[i]) if m)
-    # A value's last use: its last consumer, or, when that consumer is fused into later ones,
-    # theirs (a fused op reads its inputs when the kernel it joins runs).
-    last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
-    for i in reversed(range(len(eqns))):
-      until = i
-      if not any(materialized[i]):
-        until = max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
-      for v in eqns[i].invars:
-        if not _is_literal(v):
-          last_use[v] = max(last_use.get(v, -1), until)
-
     def fed(v, depth: int = 4) -> list[int]:  # the splits of what v feeds, a few steps on
       found = []
-      for j in consumers.get(v, []):
+      for j in uses.get(v, []):
         for w in eqns[j].outvars:
           found += [env[w].d] if env[w].d is not None else fed(w, depth - 1) if depth else []
       return found
 
-    # Failing that, split as finely as this jaxpr's inputs are.
-    for i in reversed(range(len(eqns))):
-      for v in eqns[i].outvars:
-        if env[v].d is None:
-          # an output is left to the caller
+    for eqn in reversed(eqns):
+      for v in eqn.outvars:
+        if env[v].d is None:  # an output of this jaxpr nothing places is left to the caller
           env[v].d = 1 if local else max(fed(v), default=None if v in outvars else fallback)
-    for i, eqn in enumerate(eqns):
-      for v, keep in zip(eqn.outvars, materialized[i]):
-        value = env[v]
-        value.bytes = _bytes(v.aval, value.d or fallback) if keep and v not in in_place else 0
-
-    dies_after: dict[int, list] = {}
-    for v, i in last_use.items():
-      dies_after.setdefault(i, []).append(v)
-    live: dict[Any, _Value] = {}
-    by_kind: dict[str, int] = {}
-    current, peak, host, where, backward = 0, 0, 0, "", False
-    at_peak: dict[str, int] = {}
-    largest: list[_Value] = []
-    for i, eqn in enumerate(eqns):
-      inner = inners[i]
-      new = []
-      for v in eqn.outvars:
-        if env[v].kind == "host":
-          host += env[v].bytes
-          env[v].bytes = 0
-        new.append(env[v])
-      made = sum(value.bytes for value in new)
-      # A loop's stacked outputs exist before its first step; a call's outputs are counted by
-      # its own walk (its outputs are made inside it).
-      moment = current + (made + inner.peak if eqn.name in ("scan", "while")
-                          else max(made, inner.peak))
-      if moment > peak:
-        peak, where = moment, inner.where or eqn.source
-        backward = inner.backward or eqn.backward
-        at_peak = dict(by_kind)
-        for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
-          at_peak[kind] = at_peak.get(kind, 0) + b
-        largest = sorted(list(live.values()) + new + inner.largest, key=lambda x: -x.bytes)[:40]
-      host += inner.host
-      for v in eqn.outvars:
-        if env[v].bytes and v in last_use:
-          live[v] = env[v]
-          current += env[v].bytes
-          by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
-      for v in dies_after.get(i, ()):
-        if v in live:
-          value = live.pop(v)
-          current -= value.bytes
-          by_kind[value.kind] -= value.bytes
-    outs = [env[v] if not _is_literal(v) else _Value(0, 1, "activations") for v in jaxpr.outvars]
-    return _Walk(peak=peak, at_peak=at_peak, host=host, where=where, outs=outs, largest=largest,
-                 backward=backward)
+    return inners
 
   # -- one equation: its outputs' placement and kind, and what it needs inside
   def _eqn(self, eqn: _Eqn, ins: list[_Value | None], local: bool, fused: bool, split: int,
