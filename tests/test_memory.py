@@ -3,6 +3,7 @@ compiled figure on CPU layouts, and its rules on small functions whose memory is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -142,3 +143,15 @@ def test_script_simulates_devices_it_lacks():
   assert record["devices"] == 256 and record["platform"] == "gpu" and record["fits"]
   # 671B parameters, float32, spread evenly over 256 devices (the embeddings' norms aside)
   assert record["parameters_gib"] == pytest.approx(671e9 * 4 / 256 / 2**30, rel=0.03)
+
+
+def test_eight_gpu_bench_config_fits_h200s():
+  """configs/bench/qwen3_30b_a3b_8gpu.py (the whole Qwen3-30B-A3B, FSDP 8 + EP 8) on 8 GPUs of
+  139 GiB, with room for the estimate's error; without recomputation it would not fit."""
+  from jmoe.config import load_config
+  cfg = load_config(ROOT / "configs/bench/qwen3_30b_a3b_8gpu.py")
+  layout = make_layout(cfg.parallel)
+  assert layout.mesh.size == 8
+  assert estimate(cfg, layout, platform="gpu").total < 0.9 * 139 * 2**30
+  everything_kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat="none"))
+  assert estimate(everything_kept, layout, platform="gpu").total > 139 * 2**30
