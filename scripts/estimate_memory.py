@@ -39,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--devices", type=int, default=0,
-                      help="estimate for this many devices (simulated; default: those at hand)")
+                      help="estimate for this many devices: the first N at hand, or N simulated")
   parser.add_argument("--platform", choices=("gpu", "cpu"),
-                      help="the platform estimated for (default: this one, or gpu with --devices)")
+                      help="the platform estimated for (default: this one; gpu on simulated devices)")
   parser.add_argument("--device-memory-gib", type=float, default=0.0,
                       help="each device's memory, to say whether the step fits")
   parser.add_argument("--largest", type=int, default=10, help="list this many largest buffers")

@@ -72,9 +72,9 @@ def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.
 
 
 def _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  """Attention as cuDNN's fused kernel holds memory, for memory estimates: the backward
-  pass keeps its inputs, its output and float32 softmax statistics per query and head (their
-  size; this path is traced, never run), and recomputes the rest inside the kernel."""
+  """Attention that holds memory as cuDNN's fused kernel does, for memory estimates: the backward
+  pass keeps its inputs, its output and float32 softmax statistics per query and head (zeros of
+  their size: estimates only trace this), and recomputes the rest inside the kernel."""
   arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
   static = {k: v for k, v in kwargs.items() if k not in arrays}
   attend = lambda q, k, v, a: jax.nn.dot_product_attention(q, k, v, implementation="xla",
