@@ -10,7 +10,7 @@ e.g. `x_BSD`, `w_up_EDF`, `probs_TE`.
 
 __version__ = "0.1.0"
 
-_API = ("Config", "Trainer", "load_config", "load_model", "score")
+_API = ("Config", "Trainer", "estimate_memory", "load_config", "load_model", "score")
 
 
 def __getattr__(name: str):

@@ -6,6 +6,7 @@
     load_LE = trainer.expert_load()      # [MoE layers, experts]
   config, model = jmoe.load_model("/tmp/run")   # a workdir or a model checkpoint
   logprobs = jmoe.score(model, [[1, 2, 3, 4]])
+  print(jmoe.estimate_memory(config).table())   # per device, before compiling
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from flax import nnx
 from jmoe.config import Config, ParallelConfig, load_config
 from jmoe.train.loop import Trainer
 
-__all__ = ["Config", "Trainer", "load_config", "load_model", "score"]
+__all__ = ["Config", "Trainer", "estimate_memory", "load_config", "load_model", "score"]
 
 
 def load_model(path: str | pathlib.Path, devices: Sequence[jax.Device] | None = None
@@ -37,3 +38,13 @@ def score(model: nnx.Module, sequences: list[list[int]],
   from jmoe.parallel import make_layout
   from jmoe.score import score as score_on
   return score_on(model, make_layout(ParallelConfig(), devices), sequences)
+
+
+def estimate_memory(config: Config, devices: Sequence[jax.Device] | None = None,
+                    platform: str | None = None):
+  """The per-device memory of `config`'s train step on its layout over `devices` (default: all),
+  by category, before compiling (jmoe/train/memory.py; docs/MEMORY.md). `platform`: the one
+  estimated for (default: this one)."""
+  from jmoe.parallel import make_layout
+  from jmoe.train.memory import estimate
+  return estimate(config, make_layout(config.parallel, devices), platform=platform)
