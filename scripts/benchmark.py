@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.moe.experts import auto_gemm
     from jmoe.parallel import make_layout
     from jmoe.train.flops import model_flops_per_token
-    from jmoe.train.optimizer import learning_rate, make_optimizer
+    from jmoe.train.optimizer import make_optimizer
     from jmoe.train.state import state_spec
-    from jmoe.train.step import make_train_step
+    from jmoe.train.step import compile_train_step
     config = load_config(args.config, overrides + (
         ["moe.router.force_balanced=true"] if args.balanced else []))
     layout = make_layout(config.parallel)
@@ -104,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch_size, seq + 1))
     batch = {"tokens": jax.device_put(tokens.astype(np.int32), layout.batch)}
     t0 = time.perf_counter()
-    with layout.active():
-      step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)),
-                     in_shardings=(spec.shardings, layout.batch),
-                     out_shardings=(spec.shardings, layout.replicated),
-                     donate_argnums=0).lower(state, batch).compile()
+    step = compile_train_step(config, layout, spec, optimizer, batch)
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
     first = None

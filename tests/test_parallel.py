@@ -140,20 +140,14 @@ def test_no_large_parameter_left_replicated(name):
 
 def compiled_state_bytes(dense, expert):
   """(XLA's per-device argument bytes of the train step, the bytes the shardings say)."""
-  from jmoe.train.optimizer import learning_rate
-  from jmoe.train.step import make_train_step
+  from jmoe.train.step import compile_train_step
   config = tiny_config(model=MODEL, parallel=dict(dense=dense, expert=expert))
   layout = make_layout(config.parallel)
   optimizer = make_optimizer(config.train)
   spec = state_spec(config, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}
-  with layout.active():
-    compiled = jax.jit(make_train_step(spec.graphdef, config, optimizer,
-                                       learning_rate(config.train)),
-                       in_shardings=(spec.shardings, layout.batch),
-                       out_shardings=(spec.shardings, layout.replicated)).lower(
-                           spec.abstract, batch).compile()
+  compiled = compile_train_step(config, layout, spec, optimizer, batch)
   state_bytes = sum(np.prod(s.shard_shape(a.shape)) * a.dtype.itemsize
                     for a, s in zip(jax.tree.leaves(spec.abstract), jax.tree.leaves(spec.shardings)))
   batch_bytes = np.prod(layout.batch.shard_shape(batch["tokens"].shape)) * 4

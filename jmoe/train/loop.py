@@ -19,10 +19,10 @@ from jmoe.data import DataPipeline
 from jmoe.model.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
 from jmoe.train.metrics import MetricsWriter, summarize
-from jmoe.train.optimizer import learning_rate, make_optimizer
+from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import Interrupted, StopSignals
 from jmoe.train.state import StateSpec, TrainState, state_spec
-from jmoe.train.step import make_eval_step, make_train_step
+from jmoe.train.step import compile_train_step, make_eval_step
 
 log = logging.getLogger("jmoe")
 
@@ -74,7 +74,7 @@ class Trainer:
     if self._lead:
       (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
 
-    optimizer, schedule = make_optimizer(config.train), learning_rate(config.train)
+    optimizer = make_optimizer(config.train)
     self.spec = spec = state_spec(config, layout, optimizer)
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
@@ -92,14 +92,10 @@ class Trainer:
         log.warning("the checkpoint of step %d holds no input position; the data starts over",
                     self.step)
       t0 = time.perf_counter()
-      with layout.active():  # the model's sharding annotations read the layout while tracing
-        self._step_fn = jax.jit(make_train_step(spec.graphdef, config, optimizer, schedule),
-                                in_shardings=(spec.shardings, layout.batch),
-                                out_shardings=(spec.shardings, layout.replicated),
-                                donate_argnums=0).lower(self.state,
-                                                        self.data.batch_spec()).compile()
-        self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
-                                out_shardings=layout.replicated)
+      self._step_fn = compile_train_step(config, layout, spec, optimizer,
+                                         self.data.batch_spec())
+      self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
+                              out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
       self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
                                    progress=progress and self._lead, write=self._lead)

@@ -11,9 +11,11 @@ from flax import nnx
 
 from jmoe.config import Config
 from jmoe.model.fp8 import Fp8History
+from jmoe.parallel import Layout
 from jmoe.train.loss import (balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss,
                              target_masks)
-from jmoe.train.state import TrainState
+from jmoe.train.optimizer import learning_rate
+from jmoe.train.state import StateSpec, TrainState
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
@@ -121,6 +123,17 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     return new_state, metrics
 
   return train_step
+
+
+def compile_train_step(config: Config, layout: Layout, spec: StateSpec,
+                       optimizer: optax.GradientTransformation, batch: dict) -> jax.stages.Compiled:
+  """The train step compiled for `layout`: the state placed as `spec` says and donated, the batch
+  split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes)."""
+  step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
+  with layout.active():  # the model's sharding annotations read the layout while tracing
+    return jax.jit(step, in_shardings=(spec.shardings, layout.batch),
+                   out_shardings=(spec.shardings, layout.replicated),
+                   donate_argnums=0).lower(spec.abstract, batch).compile()
 
 
 def make_eval_step(graphdef: nnx.GraphDef, config: Config) -> Callable:
