@@ -19,6 +19,9 @@ from helpers import merge, tiny_config
 from jmoe.model.attention import _like_fused_kernel
 from jmoe.parallel import make_layout
 from jmoe.train.memory import compiled_bytes, estimate, function_peak
+from jmoe.train.optimizer import make_optimizer
+from jmoe.train.state import state_spec
+from jmoe.train.step import compile_train_step
 
 ROOT = pathlib.Path(__file__).parents[1]
 # Proportions of a real layer (wide GEMMs, short sequences) at a size CPUs compile quickly.
@@ -57,11 +60,10 @@ def test_state_and_batch_are_exact():
   argument bytes to the byte."""
   cfg = config(parallel=dict(dense=dict(data=1, fsdp=8), expert=dict(data=2, expert=4)))
   layout = make_layout(cfg.parallel)
-  from jmoe.train.memory import _train_step
-  step, spec, batch = _train_step(cfg, layout)
-  with layout.active():
-    compiled = jax.jit(step, in_shardings=(spec.shardings, layout.batch)).lower(
-        spec.abstract, batch).compile()
+  optimizer = make_optimizer(cfg.train)
+  spec = state_spec(cfg, layout, optimizer)
+  batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32)}
+  compiled = compile_train_step(cfg, layout, spec, optimizer, batch)
   c = estimate(cfg, layout, platform="cpu").by_category
   assert (c["parameters"] + c["optimizer state"] + c["batch"]
           == compiled.memory_analysis().argument_size_in_bytes)

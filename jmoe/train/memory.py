@@ -1,73 +1,33 @@
 """Per-device memory of a training step, estimated before anything is compiled.
 
-The train step is traced (not compiled) on the config's layout, its calls inlined, and the jaxpr
-walked in program order the way XLA's buffer assignment would see it: a value that must exist in
-memory is allocated by the op that makes it and freed after its last use, and the largest total
-along the way, plus the state, is the step's peak. What the walk assumes of XLA:
-
-- elementwise ops, broadcasts and converts fuse into the ops that read them when those can take
-  them (elementwise ops, reductions), so their results are not stored; operands of GEMMs, sorts,
-  gathers, scatters, collectives and loops are; reshapes and sharding constraints are their
-  operand's buffer; values made from constants alone are folded;
-- a fused kernel (cuDNN attention; what runs under the `fused_attention` name scope) keeps only
-  the values that leave it;
-- the train state is donated: the new state overwrites the old one in place;
-- a loop allocates its stacked outputs before its first step and each step writes its slice in
-  place; stacked weights its grouped GEMMs read transposed get one transposed copy of the stack;
-- per device, a value takes its global bytes over the number of devices it is split across: known
-  exactly for the train state, the batch, every `constrain`ed activation and everything inside the
-  MoE layer's `shard_map`; elsewhere taken from the value's operands or from what it feeds
-  (weight-shaped values are placed like the weights);
-- on CPUs, XLA's ragged dot is one dense product per group and 16-bit products run in float32.
-
-Each stored value is put in a category by where it comes from: parameters, optimizer state,
-gradients, weight copies (weights cast or laid out anew), activations, dispatch buffers (the MoE
-layer's exchange of tokens), the optimizer's update, the batch; values offloaded to host memory
-are counted apart. `estimate(config, layout)` returns the categories at the peak; docs/MEMORY.md
-has its measured error.
+The train step (the one `jmoe.train` compiles) is traced, not compiled, on the config's layout, and
+its jaxpr walked as XLA's buffer assignment would see it (jmoe/train/memory_walk.py says what the
+walk assumes): the most bytes ever live at once, plus the state, is the step's peak. The bytes
+live there are put in categories by where they come from: parameters, optimizer state, gradients,
+weight copies (weights cast or laid out anew), activations, dispatch buffers (the MoE layer's
+exchange of tokens), the optimizer's update, the batch; values offloaded to host memory are
+counted apart. docs/MEMORY.md has the estimate's measured error.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from typing import Any
 
 import jax
 import numpy as np
-from jax.extend.core import Literal
 
 from jmoe.config import Config
-from jmoe.model.attention import FUSED_SCOPE, traced_as_on_gpu
+from jmoe.model.attention import traced_as_on_gpu
 from jmoe.parallel import Layout
+from jmoe.train.memory_walk import Value, Walker, divisor, flatten, is_literal, nbytes
+from jmoe.train.optimizer import learning_rate, make_optimizer
+from jmoe.train.state import state_spec
+from jmoe.train.step import compile_train_step, make_train_step
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "weight copies", "activations",
               "dispatch buffers", "optimizer update", "batch")
-
-_ELEMENTWISE = {
-    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
-    "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv",
-    "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
-    "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
-    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
-    "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "one_minus_square",
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose", "pvary",
-    "pcast", "bitcast_convert_type", "optimization_barrier", "add_any",
-}
-# Ops whose result is their operand's buffer, seen anew (a layout constraint, a reshape).
-_ALIASES = {"sharding_constraint", "reshape", "squeeze", "expand_dims", "pvary", "pcast",
-            "optimization_barrier"}
-# Ops that take fused elementwise producers as their inputs.
-_FUSING_CONSUMERS = _ELEMENTWISE | {
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "argmax", "argmin", "slice", "dynamic_slice", "concatenate", "pad", "cumsum", "cumlogsumexp",
-    "cummax", "cumprod",
-}
-_DISPATCH_FILES = ("jmoe/moe/exchange.py", "jmoe/moe/dispatch.py", "jmoe/moe/capacity.py",
-                   "jmoe/moe/combine.py")
-_OPTIMIZER_FILES = ("optax/", "jmoe/train/optimizer.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,19 +58,12 @@ class MemoryEstimate:
     return "\n".join(rows)
 
 
-# ---- tracing the step
-
-def _train_step(config: Config, layout: Layout):
-  """The jitted-to-be train step of `config` on `layout`, its StateSpec and its batch's shape."""
-  from jmoe.train.optimizer import learning_rate, make_optimizer
-  from jmoe.train.state import state_spec
-  from jmoe.train.step import make_train_step
-
+def _step_inputs(config: Config, layout: Layout):
+  """The optimizer, the state's spec and the batch's shape of `config`'s train step on `layout`."""
   optimizer = make_optimizer(config.train)
-  spec = state_spec(config, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}
-  return make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)), spec, batch
+  return optimizer, state_spec(config, layout, optimizer), batch
 
 
 def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> MemoryEstimate:
@@ -120,35 +73,31 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
   platform = platform or jax.default_backend()
   if platform == "gpu" and config.moe.gemm in ("auto", "tokamax"):
     config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, gemm="ragged_dot"))
-  step, spec, batch = _train_step(config, layout)
+  optimizer, spec, batch = _step_inputs(config, layout)
+  step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
   with layout.active(), (traced_as_on_gpu() if platform == "gpu" else contextlib.nullcontext()):
-    closed = jax.make_jaxpr(step)(spec.abstract, batch)
+    jaxpr = flatten(jax.make_jaxpr(step)(spec.abstract, batch).jaxpr)
 
-  state_leaves = jax.tree.leaves(spec.abstract)
-  sharding_leaves = jax.tree.leaves(spec.shardings)
-  kinds = _state_kinds(spec.abstract)
-  in_d, in_kind = [], []
-  for leaf, sharding, kind in zip(state_leaves, sharding_leaves, kinds):
-    in_d.append(_divisor(sharding.spec, layout.mesh.shape))
-    in_kind.append(kind)
-  in_d.append(_divisor(layout.batch.spec, layout.mesh.shape))
-  in_kind.append("batch")
-
+  mesh = layout.mesh.shape
+  splits = [divisor(s.spec, mesh) for s in jax.tree.leaves(spec.shardings)]
+  splits.append(divisor(layout.batch.spec, mesh))
+  kinds = _state_kinds(spec.abstract) + ["batch"]
   # Weight-shaped values (gradients, weights cast for compute) are placed like the weights.
   weights: dict[tuple[int, ...], tuple[int, Any]] = {}
-  for leaf, d in zip(jax.tree.leaves(spec.abstract.params), in_d[1:]):
+  for leaf, sharding in zip(jax.tree.leaves(spec.abstract.params),
+                            jax.tree.leaves(spec.shardings.params)):
+    d = divisor(sharding.spec, mesh)
     weights.setdefault(tuple(leaf.shape), (d, leaf.dtype))
     if leaf.ndim > 2:  # a stacked layer's slice, as the scan over layers sees it
       weights.setdefault(tuple(leaf.shape[1:]), (d, leaf.dtype))
 
-  jaxpr = _flatten(closed.jaxpr)
-  env = {v: _Value(_bytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, in_d, in_kind)}
+  env = {v: Value(nbytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, splits, kinds)}
   by_category = {name: 0 for name in CATEGORIES}
   for value in env.values():  # the state and the batch, there throughout
     by_category[value.kind] += value.bytes
   # The new state is written over the donated old one: its outputs take no new memory.
-  in_place = {v for v in jaxpr.outvars[:len(state_leaves)] if not _is_literal(v)}
-  result = _Walker(dict(layout.mesh.shape), weights, platform).walk(jaxpr, env, in_place=in_place)
+  in_place = {v for v in jaxpr.outvars[:len(kinds) - 1] if not is_literal(v)}
+  result = Walker(dict(mesh), weights, platform).walk(jaxpr, env, in_place=in_place)
   for kind, b in result.at_peak.items():
     by_category[kind] += b
   return MemoryEstimate(by_category=by_category, host=result.host, num_devices=layout.mesh.size,
@@ -160,12 +109,8 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
   """What XLA's compiled train step takes per device: its arguments (the state, donated, and the
   batch), the outputs that do not reuse them, and its temporaries. Compiles; for checking the
   estimate on devices at hand."""
-  step, spec, batch = _train_step(config, layout)
-  with layout.active():
-    compiled = jax.jit(step, in_shardings=(spec.shardings, layout.batch),
-                       out_shardings=(spec.shardings, layout.replicated),
-                       donate_argnums=0).lower(spec.abstract, batch).compile()
-  m = compiled.memory_analysis()
+  optimizer, spec, batch = _step_inputs(config, layout)
+  m = compile_train_step(config, layout, spec, optimizer, batch).memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
 
@@ -173,472 +118,16 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
 def function_peak(fn, *args, platform: str = "gpu") -> int:
   """Bytes a function needs on one device beyond its arguments, at its peak, by the same walk
   (`args`: arrays or ShapeDtypeStructs)."""
-  jaxpr = _flatten(jax.make_jaxpr(fn)(*args).jaxpr)
-  env = {v: _Value(_bytes(v.aval, 1), 1, "batch") for v in jaxpr.invars}
-  return _Walker({}, {}, platform).walk(jaxpr, env).peak
+  jaxpr = flatten(jax.make_jaxpr(fn)(*args).jaxpr)
+  env = {v: Value(nbytes(v.aval, 1), 1, "batch") for v in jaxpr.invars}
+  return Walker({}, {}, platform).walk(jaxpr, env).peak
+
+
+# Each TrainState field's category; the fields flatten in this (their declaration) order.
+_STATE_KINDS = {"step": "optimizer state", "params": "parameters", "rest": "parameters",
+                "opt_state": "optimizer state"}
 
 
 def _state_kinds(abstract) -> list[str]:
-  kinds = []
-  for name in ("step", "params", "rest", "opt_state"):
-    kind = {"opt_state": "optimizer state", "step": "optimizer state"}.get(name, "parameters")
-    kinds += [kind] * len(jax.tree.leaves(getattr(abstract, name)))
-  # TrainState's fields flatten in declaration order: step, params, rest, opt_state.
-  return kinds
-
-
-def _divisor(spec, mesh_shape) -> int:
-  d = 1
-  for entry in spec:
-    for axis in (entry if isinstance(entry, tuple) else (entry,)):
-      if axis is not None:
-        d *= mesh_shape[axis]
-  return d
-
-
-def _bytes(aval, d: int) -> int:
-  shape = getattr(aval, "shape", None)
-  if shape is None or not hasattr(aval, "dtype"):
-    return 0
-  size = math.prod(shape)
-  itemsize = getattr(aval.dtype, "itemsize", 8)  # random keys: two uint32 words
-  return -(-size * itemsize // max(1, min(d, size)))
-
-
-# ---- walking a jaxpr
-
-@dataclasses.dataclass
-class _Value:
-  bytes: int  # per device, as stored (0: fused into its consumers, or in host memory)
-  d: int | None  # devices it is split across (None: not known yet)
-  kind: str
-  what: str = ""  # its shape and where it is made, for the list of the largest
-  const: bool = False  # made from constants alone
-
-
-@dataclasses.dataclass
-class _Walk:
-  peak: int  # the most bytes live at once, beyond the jaxpr's inputs
-  at_peak: dict[str, int]  # those bytes by category
-  host: int
-  where: str
-  outs: list[_Value]
-  largest: list[_Value] = dataclasses.field(default_factory=list)  # live at the peak
-  backward: bool = False  # whether the peak is in the backward pass
-
-
-def _source(eqn) -> str:
-  """The jmoe (or optax) line that made `eqn`, e.g. "jmoe/moe/experts.py:34"; else its op."""
-  frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-  for frame in frames:
-    path = frame.file_name.replace("\\", "/")
-    if path.endswith(("jmoe/train/step.py", "jmoe/train/memory.py")):
-      continue  # the step's driver, not where a value comes from
-    for root in ("/jmoe/", "/optax/"):
-      if root in path:
-        return f"{path[path.rfind(root) + 1:]}:{frame.line_num}"
-  return eqn.primitive.name
-
-
-# Kernels whose jaxpr describes one program instance, not memory: only their outputs count.
-_KERNELS = ("pallas_call", "triton_kernel_call", "mosaic_gpu_call")
-# Walked as what they are; every other call (jit, custom derivatives, checkpoint) is inlined,
-# as XLA inlines it, so that fusion sees across it.
-_STRUCTURED = ("scan", "while", "cond", "shard_map")
-
-
-class _Var:
-  """A value of the flattened program (a jaxpr Var can appear in several inlined copies)."""
-  __slots__ = ("aval",)
-
-  def __init__(self, aval):
-    self.aval = aval
-
-
-@dataclasses.dataclass
-class _Eqn:
-  name: str
-  params: dict
-  invars: list  # _Var or Literal
-  outvars: list[_Var]
-  source: str
-  fused: bool  # inside a fused kernel
-  backward: bool  # part of the backward pass
-  subs: list  # the jaxprs of a structured op
-
-
-@dataclasses.dataclass
-class _Flat:
-  invars: list[_Var]
-  outvars: list  # _Var or Literal
-  eqns: list[_Eqn]
-
-
-def _sub_jaxprs(eqn) -> list:
-  if eqn.primitive.name in _KERNELS:
-    return []
-  found = []
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr", "branches"):
-    value = eqn.params.get(key)
-    if value is None:
-      continue
-    for item in (value if isinstance(value, (tuple, list)) else (value,)):
-      found.append(getattr(item, "jaxpr", item))
-  return found
-
-
-def _flatten(jaxpr, fused: bool = False, backward: bool = False) -> _Flat:
-  """`jaxpr` with its calls inlined, over fresh values."""
-  invars = [_Var(v.aval) for v in jaxpr.invars]
-  eqns: list[_Eqn] = []
-  outvars = _inline(jaxpr, invars, fused, backward, eqns)
-  return _Flat(invars, outvars, eqns)
-
-
-def _inline(jaxpr, args: list, fused: bool, backward: bool, eqns: list[_Eqn]) -> list:
-  names = dict(zip(jaxpr.invars, args))
-  names.update((v, _Var(v.aval)) for v in jaxpr.constvars)
-  name = lambda v: v if _is_literal(v) else names[v]
-  for eqn in jaxpr.eqns:
-    stack = str(eqn.source_info.name_stack)
-    in_fused, in_backward = fused or FUSED_SCOPE in stack, backward or "transpose(" in stack
-    ins = [name(v) for v in eqn.invars]
-    subs = _sub_jaxprs(eqn)
-    if eqn.primitive.name not in _STRUCTURED and len(subs) == 1:
-      sub = subs[0]
-      outs = _inline(sub, ins[len(ins) - len(sub.invars):], in_fused, in_backward, eqns)
-      names.update(zip(eqn.outvars, outs))
-      continue
-    outs = [_Var(v.aval) for v in eqn.outvars]
-    names.update(zip(eqn.outvars, outs))
-    eqns.append(_Eqn(eqn.primitive.name, eqn.params, ins, outs, _source(eqn), in_fused,
-                     in_backward, subs))
-  return [name(v) for v in jaxpr.outvars]
-
-
-def _values(vs) -> list:
-  return [v for v in vs if not _is_literal(v)]
-
-
-def _uses(jaxpr: _Flat) -> dict[Any, list[int]]:
-  """Each value's consumers, by equation index."""
-  uses: dict[Any, list[int]] = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in _values(eqn.invars):
-      uses.setdefault(v, []).append(i)
-  return uses
-
-
-def _written_in_place(jaxpr: _Flat, in_place, uses: dict) -> set:
-  """The values written straight into donated or loop buffers: the outputs said so, and what
-  only elementwise ops (reshapes, converts) lie between them and such an output."""
-  in_place = set(in_place)
-  for eqn in reversed(jaxpr.eqns):
-    if eqn.name in _ELEMENTWISE and len(eqn.outvars) == 1 and eqn.outvars[0] in in_place:
-      in_place.update(v for v in _values(eqn.invars) if len(uses.get(v, [])) == 1)
-  return in_place
-
-
-def _storage(jaxpr: _Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict[Any, int]]:
-  """Which outputs get a buffer of their own, and each value's last use: its last consumer or,
-  when that consumer fuses into later ones, theirs (a fused op reads its inputs when the kernel
-  it joins runs)."""
-  eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
-  made = set(jaxpr.invars)  # values with a buffer of their own so far
-
-  def stored(i: int, v) -> bool:
-    eqn = eqns[i]
-    if eqn.name in _ALIASES:  # its operand's buffer, unless an output that buffer is not
-      return v in outvars and not (eqn.invars and eqn.invars[0] in made)
-    if v in outvars:
-      return True
-    if env[v].const:
-      return False
-    users = uses.get(v, [])
-    if eqn.fused:  # inside a fused kernel only what leaves it is stored
-      return any(not eqns[j].fused for j in users)
-    if eqn.name not in _ELEMENTWISE:
-      return True
-    return any(eqns[j].name not in _FUSING_CONSUMERS for j in users)
-
-  kept = []
-  for i, eqn in enumerate(eqns):
-    kept.append([stored(i, v) for v in eqn.outvars])
-    made.update(v for v, k in zip(eqn.outvars, kept[i]) if k)
-  last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
-  for i in reversed(range(len(eqns))):
-    until = i if any(kept[i]) else max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
-    for v in _values(eqns[i].invars):
-      last_use[v] = max(last_use.get(v, -1), until)
-  return kept, last_use
-
-
-def _live(jaxpr: _Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
-  """Runs the program over its buffers: the most bytes live at once, what they are, and where."""
-  dies_after: dict[int, list] = {}
-  for v, i in last_use.items():
-    dies_after.setdefault(i, []).append(v)
-  live: dict[Any, _Value] = {}
-  by_kind: dict[str, int] = {}
-  current, peak, host, where, backward = 0, 0, 0, "", False
-  at_peak: dict[str, int] = {}
-  largest: list[_Value] = []
-  for i, (eqn, inner) in enumerate(zip(jaxpr.eqns, inners)):
-    new = [env[v] for v in eqn.outvars]
-    for value in new:
-      if value.kind == "host":
-        host, value.bytes = host + value.bytes, 0
-    made = sum(value.bytes for value in new)
-    # A loop's stacked outputs exist before its first step; a call's outputs are counted by its
-    # own walk (they are made inside it).
-    moment = current + (made + inner.peak if eqn.name in ("scan", "while")
-                        else max(made, inner.peak))
-    if moment > peak:
-      peak, where = moment, inner.where or eqn.source
-      backward = inner.backward or eqn.backward
-      at_peak = dict(by_kind)
-      for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
-        at_peak[kind] = at_peak.get(kind, 0) + b
-      largest = sorted([*live.values(), *new, *inner.largest], key=lambda x: -x.bytes)[:40]
-    host += inner.host
-    for v in eqn.outvars:
-      if env[v].bytes and v in last_use:
-        live[v] = env[v]
-        current += env[v].bytes
-        by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
-    for v in dies_after.get(i, ()):
-      if v in live:
-        value = live.pop(v)
-        current -= value.bytes
-        by_kind[value.kind] -= value.bytes
-  outs = [_Value(0, 1, "activations") if _is_literal(v) else env[v] for v in jaxpr.outvars]
-  return _Walk(peak=peak, at_peak=at_peak, host=host, where=where, outs=outs, largest=largest,
-               backward=backward)
-
-
-class _Walker:
-
-  def __init__(self, mesh_shape: dict[str, int], weights: dict[tuple[int, ...], tuple[int, Any]],
-               platform: str):
-    self.mesh_shape = mesh_shape
-    self.platform = platform
-    self.num_devices = math.prod(mesh_shape.values())
-    self.weights = weights
-
-  def walk(self, jaxpr: _Flat, env: dict, *, in_place=frozenset(), local: bool = False,
-           outer_split: int = 1) -> _Walk:
-    """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
-    shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
-    buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
-    uses = _uses(jaxpr)
-    in_place = _written_in_place(jaxpr, in_place, uses)
-    fallback = max([env[v].d or 1 for v in jaxpr.invars if v in env] + [outer_split])
-    inners = self._place(jaxpr, env, uses, in_place, local, fallback)
-    stored, last_use = _storage(jaxpr, env, uses)
-    for eqn, keep in zip(jaxpr.eqns, stored):
-      for v, kept in zip(eqn.outvars, keep):
-        env[v].bytes = _bytes(v.aval, env[v].d or fallback) if kept and v not in in_place else 0
-    return _live(jaxpr, env, inners, last_use)
-
-  def _place(self, jaxpr: _Flat, env: dict, uses: dict, in_place: set, local: bool,
-             fallback: int) -> list[_Walk]:
-    """Puts each equation's outputs in `env` (split, category) and returns what each needs
-    inside. A value nothing places takes the split of what it feeds, as XLA's sharding
-    propagation goes both ways; failing that, the split of this jaxpr's inputs."""
-    eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
-    inners = []
-    for eqn in eqns:
-      outs, inner = self._eqn(eqn, [None if _is_literal(v) else env.get(v) for v in eqn.invars],
-                              local, eqn.fused, fallback, [v in in_place for v in eqn.outvars])
-      inners.append(inner)
-      # A value made from constants alone is folded or made where it is used, never stored.
-      const = not eqn.subs and all(_is_literal(v) or (v in env and env[v].const)
-                                   for v in eqn.invars)
-      for v, value in zip(eqn.outvars, outs):
-        env[v] = dataclasses.replace(value, what=f"{v.aval.str_short()} {eqn.source}",
-                                     const=value.const or const)
-
-    def fed(v, depth: int = 4) -> list[int]:  # the splits of what v feeds, a few steps on
-      found = []
-      for j in uses.get(v, []):
-        for w in eqns[j].outvars:
-          found += [env[w].d] if env[w].d is not None else fed(w, depth - 1) if depth else []
-      return found
-
-    for eqn in reversed(eqns):
-      for v in eqn.outvars:
-        if env[v].d is None:  # an output of this jaxpr nothing places is left to the caller
-          env[v].d = 1 if local else max(fed(v), default=None if v in outvars else fallback)
-    return inners
-
-  # -- one equation: its outputs' placement and kind, and what it needs inside
-  def _eqn(self, eqn: _Eqn, ins: list[_Value | None], local: bool, fused: bool, split: int,
-           out_in_place: list[bool]):
-    name = eqn.name
-    empty = _Walk(0, {}, 0, "", [])
-    if name == "shard_map":
-      return self._shard_map(eqn, ins, out_in_place)
-    if name == "scan":
-      return self._scan(eqn, ins, local, split)
-    subs = [] if fused else eqn.subs  # a fused kernel's insides are its own
-    if subs:  # while, cond: the largest of the bodies or branches
-      results = []
-      for sub in subs:
-        flat = _flatten(sub, backward=eqn.backward)
-        sub_env = {v: (value or _Value(0, None, "activations"))
-                   for v, value in zip(flat.invars[-len(ins):] if ins else [], ins)}
-        results.append(self.walk(flat, sub_env, local=local,
-                                 outer_split=max(split, self._split_of(ins))))
-      inner = max(results, key=lambda r: r.peak)
-      outs = []
-      for k, v in enumerate(eqn.outvars):
-        options = [r.outs[k] for r in results if k < len(r.outs)]
-        value = max(options, key=lambda o: o.d or 0) if options else _Value(0, 1, "activations")
-        outs.append(_Value(0, value.d, value.kind, const=value.const))
-      return outs, inner
-    if name == "ragged_dot_general" and self.platform == "cpu":
-      empty = self._ragged_on_cpu(eqn, local, split)
-    elif name == "dot_general" and self.platform == "cpu":
-      empty = self._dot_on_cpu(eqn, ins, local, split)
-    kind = self._kind(eqn)
-    outs = []
-    for v in eqn.outvars:
-      d = self._out_divisor(eqn, v, ins, local)
-      value_kind = self._weight_kind(v.aval, local) if kind == "activations" else kind
-      if name == "device_put" and any(kind in str(eqn.params.get("devices"))
-                                      for kind in ("Host", "pinned_host")):
-        value_kind = "host"
-      outs.append(_Value(0, d, value_kind))
-    return outs, empty
-
-  def _ragged_on_cpu(self, eqn, local: bool, split: int) -> _Walk:
-    """XLA's CPU backend runs a ragged dot as one dense float32 product per group over all the
-    rows: each row-indexed operand and result exists once per group while it runs."""
-    groups = eqn.invars[2].aval.shape[0]
-    rows = [v.aval for v in (*eqn.invars[:2], *eqn.outvars) if len(v.aval.shape) == 2]
-    # in float32, whatever the operands' type (as every CPU product)
-    b = sum(groups * _bytes(aval, 1 if local else split) * 4 // np.dtype(aval.dtype).itemsize
-            for aval in rows)
-    return _Walk(b, {"activations": b}, 0, eqn.source, [])
-
-  def _dot_on_cpu(self, eqn, ins, local: bool, split: int) -> _Walk:
-    """XLA's CPU backend multiplies 16-bit floats in float32: operands and result are converted
-    copies while the product runs."""
-    avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
-    if all(np.dtype(a.dtype).itemsize >= 4 for a in avals):
-      return _Walk(0, {}, 0, "", [])
-    splits = [x.d if x is not None and x.d else split for x in ins] + [split]
-    b = sum(_bytes(a, 1 if local else d) * 4 // np.dtype(a.dtype).itemsize
-            for a, d in zip(avals, splits) if np.dtype(a.dtype).itemsize < 4)
-    return _Walk(b, {"activations": b}, 0, eqn.source, [])
-
-  def _split_of(self, ins: list[_Value | None]) -> int:
-    return max([x.d for x in ins if x is not None and x.d is not None], default=1)
-
-  def _weight_kind(self, aval, local: bool) -> str:
-    """A weight-shaped value outside shard_map: a gradient (in the weights' dtype) or a copy of
-    a weight in another dtype; anything else is an activation."""
-    shape = tuple(getattr(aval, "shape", ()))
-    if local or len(shape) < 2 or shape not in self.weights:
-      return "activations"
-    return "gradients" if np.dtype(aval.dtype) == np.dtype(self.weights[shape][1]) \
-        else "weight copies"
-
-  def _kind(self, eqn: _Eqn) -> str:
-    source = eqn.source
-    if source.startswith(_DISPATCH_FILES):
-      return "dispatch buffers"
-    if source.startswith(_OPTIMIZER_FILES):
-      return "optimizer update"
-    return "activations"
-
-  def _out_divisor(self, eqn, v, ins, local: bool) -> int:
-    if local:
-      return 1
-    if eqn.name == "sharding_constraint":
-      return _divisor(eqn.params["sharding"].spec, self.mesh_shape)
-    shape = tuple(getattr(v.aval, "shape", ()))
-    if eqn.name == "iota":  # placed by what it feeds
-      return None
-    if len(shape) > 1 and shape in self.weights:
-      return self.weights[shape][0]
-    # A smaller input that is whole on every device (a mask, a scale) says nothing about where
-    # what it is broadcast into lives.
-    size = math.prod(shape)
-    known = [(x, value.d) for x, value in zip(eqn.invars, ins)
-             if value is not None and value.d is not None
-             and (value.d > 1 or math.prod(getattr(x.aval, "shape", ())) >= size)]
-    same = [d for x, d in known if tuple(getattr(x.aval, "shape", ())) == shape]
-    if same:
-      return max(same)
-    return min(self.num_devices, max(d for _, d in known)) if known else None
-
-  def _shard_map(self, eqn: _Eqn, ins, out_in_place: list[bool]):
-    body = _flatten(eqn.subs[0], backward=eqn.backward)
-    # Inside, every value is one device's: its shape is what it takes.
-    env = {v: _Value(0, 1, value.kind if value else "activations")
-           for v, value in zip(body.invars, ins)}
-    kept = {v for v, flag in zip(body.outvars, out_in_place) if flag and not _is_literal(v)}
-    inner = self.walk(body, env, local=True, in_place=kept)
-    outs = []
-    for v, spec, value in zip(eqn.outvars, eqn.params["out_specs"], inner.outs):
-      d = _divisor(spec, self.mesh_shape)
-      kind = value.kind if value.kind == "optimizer update" else (
-          self._weight_kind(v.aval, False) if self._weight_kind(v.aval, False) != "activations"
-          else value.kind)
-      outs.append(_Value(0, d, kind, const=value.const))
-    return outs, inner
-
-  def _scan(self, eqn: _Eqn, ins, local: bool, split: int):
-    body = _flatten(eqn.subs[0], backward=eqn.backward)
-    env = {v: value or _Value(0, None, "activations") for v, value in zip(body.invars, ins)}
-    # Each step's stacked outputs are written straight into the loop's output buffers.
-    length = eqn.params["length"]
-    stacked = {v for v, out in zip(body.outvars, eqn.outvars)
-               if not _is_literal(v) and tuple(out.aval.shape) == (length, *v.aval.shape)}
-    inner = self.walk(body, env, local=local, in_place=stacked,
-                      outer_split=max(split, self._split_of(ins)))
-    hoisted = self._transposed_stacks(body, ins, length, local, split)
-    if hoisted:
-      inner = dataclasses.replace(inner, peak=inner.peak + hoisted,
-                                  at_peak={**inner.at_peak, "weight copies":
-                                           inner.at_peak.get("weight copies", 0) + hoisted})
-    return [_Value(0, value.d, value.kind) for value in inner.outs], inner
-
-  def _transposed_stacks(self, body: _Flat, ins, length: int, local: bool, split: int) -> int:
-    """Bytes of the stacked operands (a stack of layers' weights) that the loop reads in another
-    layout: XLA lays such an operand out as its products want it, one transposed copy of the
-    whole stack made before the loop."""
-    copied = set()
-
-    def visit(flat: _Flat, origin: dict) -> None:  # origin: value -> index of the loop input
-      for eqn in flat.eqns:
-        known = lambda v: not _is_literal(v) and v in origin
-        if eqn.name in _ALIASES and eqn.invars and known(eqn.invars[0]):
-          origin[eqn.outvars[0]] = origin[eqn.invars[0]]
-        if eqn.name == "shard_map":  # the stack's slice, and reshapes of it, in and out
-          inner = _flatten(eqn.subs[0])
-          inner_origin = {w: origin[v] for v, w in zip(eqn.invars, inner.invars) if known(v)}
-          visit(inner, inner_origin)
-          origin.update((v, inner_origin[w]) for v, w in zip(eqn.outvars, inner.outvars)
-                        if not _is_literal(w) and w in inner_origin)
-        rhs = None
-        if eqn.name == "ragged_dot_general" and len(eqn.invars[1].aval.shape) == 3:
-          (_, (contract,)), _ = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
-          if contract == 2:  # read as [group, N, K]
-            rhs = eqn.invars[1]
-        elif eqn.name == "transpose" and not eqn.fused:
-          rhs = eqn.invars[0]
-        if rhs is not None and known(rhs):
-          copied.add(origin[rhs])
-
-    visit(body, dict(zip(body.invars, range(len(body.invars)))))
-    copied = {k for k in copied if ins[k] is not None and len(body.invars[k].aval.shape) >= 2
-              and ins[k].kind in ("parameters", "gradients", "weight copies")}
-    return sum(length * _bytes(body.invars[k].aval, 1 if local else (ins[k].d or split))
-               for k in copied)
-
-
-def _is_literal(v) -> bool:
-  return isinstance(v, Literal)
-
+  return [kind for field, kind in _STATE_KINDS.items()
+          for _ in jax.tree.leaves(getattr(abstract, field))]
