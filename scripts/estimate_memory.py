@@ -4,7 +4,7 @@
       [--devices N] [--platform gpu|cpu] [--device-memory-gib 80] [--largest 10] [--compare]
 
 Traces the config's train step on its parallel layout and walks it in program order as XLA's
-buffer assignment would (jmoe/train/memory.py says what it assumes): parameters, optimizer state,
+buffer assignment would (jmoe/train/memory_walk.py says what it assumes): parameters, optimizer state,
 gradients, weights cast for compute, activations kept for the backward pass under the config's
 `train.remat`, the MoE layer's dispatch buffers, and the optimizer's update, at the step's peak.
 
