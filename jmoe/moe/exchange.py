@@ -99,9 +99,8 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
                       expert_fn: ExpertFn, max_rows_per_expert: int | None = None,
                       fp8: bool = False) -> jax.Array:
   if axes.tensor:  # every device of an ETP group computes the same rows on its slice of F
-    x_TD, expert_ids_TK, weights_TK = (
-        jax.lax.all_gather(a, axes.tensor, axis=0, tiled=True)
-        for a in (x_TD, expert_ids_TK, weights_TK))
+    x_TD, expert_ids_TK, weights_TK = map(_all_gather(axes.tensor, False),
+                                          (x_TD, expert_ids_TK, weights_TK))
   num_tokens, top_k = expert_ids_TK.shape
   num_rows, peers = num_tokens * top_k, axes.num_expert_shards
   # Rows per peer in the fixed-size buffers: all of this device's rows (dropless, the worst case),
@@ -124,7 +123,7 @@ def alltoall_dispatch(x_TD, expert_ids_TK, weights_TK, num_local: int, axes: Exp
   y_RD, d = _run_local(send_x, send_e[:, None], num_local, expert_fn)
   y_RD = combine(y_RD, d, jnp.ones((y_RD.shape[0], 1), jnp.float32))  # un-sort; empty slots 0
   if axes.expert:
-    y_RD = jax.lax.all_to_all(y_RD, axes.expert, 0, 0, tiled=True)
+    y_RD = _all_to_all(axes.expert, False)(y_RD)
   y_TKD = y_RD.at[slot_X].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, -1)
   y_TD = weighted_sum(y_TKD, weights_TK)
   if axes.tensor:
