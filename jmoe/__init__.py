@@ -1,11 +1,28 @@
 """jmoe: Mixture-of-Experts language model training with JAX and Flax NNX.
 
-Tensors are named with their shape, one letter per axis:
-  B batch            S sequence          T tokens (B*S flattened)      D model width
-  V vocabulary       H query heads       G key/value heads             A head dim
-  F hidden (MLP)     E experts           K chosen experts per token    X routed rows (T*K)
-  L layers           M micro-batches
-e.g. `x_BSD`, `w_up_EDF`, `probs_TE`.
+Packages import downward only, in this order (tests/test_layout.py holds it):
+  errors <- cli <- ops <- config <- parallel <- moe <- model <- data, checkpoint, inference
+  <- train <- memory <- api and the commands (convert, score, distributed; a `__main__.py` may
+  import anything). cli is what commands share; ops, the kernels and primitives, needs nothing
+  of jmoe but its errors; config validates against the registries there.
+
+Tensors are named with their shape, one letter per axis, each letter with one meaning:
+  B batch              S sequence             N a window of S + 1 tokens (inputs, then targets)
+  T tokens (B*S)       D model width          V vocabulary             L layers (stacked; with
+  H query heads        G key/value heads      A head dim                 multi-token prediction,
+  F hidden (MLP)       E experts              K chosen experts/token     its modules)
+  X routed rows (token copies, sorted by expert)                       M micro-batches
+  C rows in an expert's block (its capacity)  J rows past the blocks (an expert's overflow)
+  P rows of an exchange buffer (a block per peer)
+  U router groups (group-limited routing)     Q balance-loss groups (batch, ranks or sequences)
+  Z steps of an FP8 amax history
+  MLA: R latent rank   W value head dim   I = R + p, Y = n + W (the widths of the key/value down-
+       and up-projections); A = n + p, its query/key head dim
+  1, 2  an axis of that size (2: gate and up; 2D: two model widths side by side)
+  lowercase  a part of the axis its capital names: e the experts of one router group (or the
+       slices of an upcycled MLP), u a token's chosen groups, f a slice of F, a half of A (rotary
+       frequencies), n and p the no-rope and rope parts of A (MLA)
+e.g. `x_BSD`, `w_in_ED2F`, `probs_TE`, `send_PD`.
 """
 
 __version__ = "0.1.0"

@@ -35,16 +35,16 @@ def load_model(path: str | pathlib.Path, devices: Sequence[jax.Device] | None = 
 def score(model: nnx.Module, sequences: list[list[int]],
           devices: Sequence[jax.Device] | None = None) -> list[list[float]]:
   """log p(token i+1 | tokens up to i) for each sequence, as `python -m jmoe.score` writes."""
+  from jmoe.inference.score import score as score_on
   from jmoe.parallel import make_layout
-  from jmoe.score import score as score_on
   return score_on(model, make_layout(ParallelConfig(), devices), sequences)
 
 
 def estimate_memory(config: Config, devices: Sequence[jax.Device] | None = None,
                     platform: str | None = None):
   """The per-device memory of `config`'s train step on its layout over `devices` (default: all),
-  by category, before compiling (jmoe/train/memory.py; docs/MEMORY.md). `platform`: the one
-  estimated for (default: this one)."""
+  by category, before compiling (jmoe/memory/; docs/MEMORY.md). `platform`: the one estimated
+  for (default: this one)."""
+  from jmoe.memory import estimate
   from jmoe.parallel import make_layout
-  from jmoe.train.memory import estimate
   return estimate(config, make_layout(config.parallel, devices), platform=platform)

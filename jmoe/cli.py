@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Callable
 
-from jmoe.config import ConfigError
+from jmoe.errors import ConfigError, Interrupted
 
 
 def setup_logging() -> None:
@@ -23,7 +23,6 @@ def run(main: Callable[[], int]) -> int:
   """Runs a command; a ConfigError (bad config, data, checkpoint) becomes a message and exit 2,
   and a run stopped by a signal (after its checkpoint) exits with 128 + the signal's number, as
   a process killed by it would, so launchers see that it did not finish."""
-  from jmoe.train.preemption import Interrupted
   setup_logging()
   try:
     return main()

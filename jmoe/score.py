@@ -11,15 +11,9 @@ data-parallel on all devices present.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import pathlib
 import sys
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 from jmoe.cli import run
 from jmoe.config import ConfigError, ParallelConfig
@@ -44,34 +38,6 @@ def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
   return sequences
 
 
-@functools.lru_cache(maxsize=8)
-def _logprobs_fn(graphdef: nnx.GraphDef):
-  """The jitted scorer of one model structure, kept so that scoring again does not recompile."""
-
-  @jax.jit
-  def logprobs(state, tokens_BS):
-    logits_BSV, _ = nnx.merge(graphdef, state)(tokens_BS)
-    logp_BSV = jax.nn.log_softmax(logits_BSV, axis=-1)
-    return jnp.take_along_axis(logp_BSV[:, :-1], tokens_BS[:, 1:, None], axis=-1)[..., 0]
-
-  return logprobs
-
-
-def score(model: nnx.Module, layout, sequences: list[list[int]]) -> list[list[float]]:
-  """log p(next token) for every position but the last of each sequence."""
-  devices = layout.mesh.devices.size
-  batch = -(-len(sequences) // devices) * devices
-  length = max(len(s) for s in sequences)
-  tokens = np.zeros((batch, length), np.int32)  # padding sits after each sequence: causal, unseen
-  for i, s in enumerate(sequences):
-    tokens[i, :len(s)] = s
-  graphdef, state = nnx.split(model)
-  logprobs = _logprobs_fn(graphdef)
-  with layout.active():
-    out = np.asarray(logprobs(state, jax.device_put(tokens, layout.batch)))
-  return [out[i, :len(s) - 1].tolist() for i, s in enumerate(sequences)]
-
-
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jmoe.score", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True)
@@ -81,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
   def command() -> int:
     from jmoe.checkpoint.params import load_model
+    from jmoe.inference.score import score
     from jmoe.parallel import make_layout
     layout = make_layout(ParallelConfig())
     config, model = load_model(args.checkpoint, layout)

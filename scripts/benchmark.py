@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     from jmoe.config import load_config
-    from jmoe.moe.experts import auto_gemm
+    from jmoe.ops.grouped_gemm import auto_gemm
     from jmoe.parallel import make_layout
     from jmoe.train.flops import model_flops_per_token
     from jmoe.train.optimizer import make_optimizer

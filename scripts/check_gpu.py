@@ -22,7 +22,7 @@ def relative_error(a, b) -> float:
 def check_grouped_gemm() -> list[dict]:
   """tokamax against the exact masked einsum, forward and both gradients, with rows past the
   groups (which must come out zero) in bf16."""
-  from jmoe.moe.experts import GEMM_BACKENDS
+  from jmoe.ops.grouped_gemm import GEMM_BACKENDS
   keys = jax.random.split(jax.random.key(0), 3)
   rows, experts, d, f = 4096, 16, 512, 384
   x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
@@ -62,7 +62,7 @@ def check_attention() -> list[dict]:
   sys.path.insert(0, "tests")
   from flax import nnx
   from helpers import tiny_config
-  from jmoe.train.state import model_factory
+  from jmoe.model.factory import model_factory
   variants = {
       "causal": {}, "window": dict(sliding_window=16),
       "sinks_alternating": dict(attention_sinks=True, sliding_window=16, full_attention_every=2),

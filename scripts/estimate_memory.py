@@ -4,7 +4,7 @@
       [--devices N] [--platform gpu|cpu] [--device-memory-gib 80] [--largest 10] [--compare]
 
 Traces the config's train step on its parallel layout and walks it in program order as XLA's
-buffer assignment would (jmoe/train/memory_walk.py says what it assumes): parameters, optimizer state,
+buffer assignment would (jmoe/memory/walk.py says what it assumes): parameters, optimizer state,
 gradients, weights cast for compute, activations kept for the backward pass under the config's
 `train.remat`, the MoE layer's dispatch buffers, and the optimizer's update, at the step's peak.
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     from jmoe.config import ConfigError, load_config
     from jmoe.parallel import make_layout
-    from jmoe.train.memory import compiled_bytes, estimate
+    from jmoe.memory import compiled_bytes, estimate
     config = load_config(args.config, overrides)
     devices = jax.devices()
     simulated = os.environ.get("JMOE_SIMULATED_DEVICES") == str(args.devices)

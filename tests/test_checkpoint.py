@@ -24,7 +24,8 @@ from jmoe.parallel import make_layout
 from jmoe.train.loop import initial_state, train
 from jmoe.train.loss import cross_entropy_sum
 from jmoe.train.optimizer import make_optimizer
-from jmoe.train.state import model_factory, state_spec
+from jmoe.model.factory import model_factory
+from jmoe.train.state import state_spec
 from helpers import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -243,9 +244,9 @@ UPCYCLED = {
 }
 
 
-def mean_loss(model, tokens_BS1):
-  logits_BSV, _ = model(tokens_BS1[:, :-1])
-  return float(cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:])) / tokens_BS1[:, 1:].size
+def mean_loss(model, tokens_BN):
+  logits_BSV, _ = model(tokens_BN[:, :-1])
+  return float(cross_entropy_sum(logits_BSV, tokens_BN[:, 1:])) / tokens_BN[:, 1:].size
 
 
 @pytest.mark.parametrize("name", list(UPCYCLED))

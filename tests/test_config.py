@@ -90,7 +90,27 @@ def test_override_keys_the_file_leaves_at_default():
   assert load_config(TINY_FILE, ["--config.moe.capacity_factor=None"]).moe.capacity_factor is None
 
 
-def test_remat_names_are_the_ones_the_model_has():
-  from jmoe.config.validate import REMAT_POLICIES as names
-  from jmoe.model.stack import REMAT_POLICIES
-  assert set(names) == set(REMAT_POLICIES)
+def test_registry_names_are_what_validation_accepts():
+  """Validation reads the registries themselves: every registered name passes, others fail."""
+  from jmoe.ops.grouped_gemm import GEMM_BACKENDS
+  from jmoe.ops.remat import REMAT_POLICIES
+  for name in REMAT_POLICIES:
+    tiny_config(train=dict(remat=name))
+  for name in GEMM_BACKENDS:
+    tiny_config(moe=dict(gemm=name))
+  with pytest.raises(ConfigError, match="train.remat must be one of"):
+    tiny_config(train=dict(remat="some"))
+
+
+def test_dispatcher_and_family_are_checked_against_their_registries(tmp_path):
+  """Their registries sit above jmoe.config: the MoE layer checks `moe.dispatcher` as it is
+  built, the trainer `model.family` before it builds anything."""
+  from jmoe.model.factory import model_factory
+  from jmoe.moe import DISPATCHERS
+  from jmoe.train.loop import train
+  for name in DISPATCHERS:
+    model_factory(tiny_config(moe=dict(dispatcher=name)))()
+  with pytest.raises(ConfigError, match=r"moe.dispatcher must be one of \['allgather', "):
+    model_factory(tiny_config(moe=dict(dispatcher="ring")))()
+  with pytest.raises(ConfigError, match="model.family must be one of"):
+    train(tiny_config(model=dict(family="llama")), tmp_path / "run", progress=False)

@@ -19,7 +19,7 @@ from jmoe.data.prepare import prepare
 from jmoe.data.sources import TokenShards
 from jmoe.data.tokenizer import ByteTokenizer, HFTokenizer
 from jmoe.train.loop import train
-from jmoe.train.state import model_factory
+from jmoe.model.factory import model_factory
 from helpers import tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

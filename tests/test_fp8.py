@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 from jmoe.config import ConfigError
-from jmoe.model.fp8 import Fp8Dot, Fp8Recipe, batched_fp8, fp8_dot, grouped_fp8
-from jmoe.moe.experts import (FP8_KERNELS, GEMM_BACKENDS, batched_gemm, blocked_expert_ffn,
-                              expert_ffn, gated_activation)
+from jmoe.moe.experts import ExpertWeights, blocked_expert_ffn, expert_ffn, gated_activation
+from jmoe.ops.fp8 import Fp8Dot, Fp8Recipe, fp8_dot
+from jmoe.ops.fp8_grouped import batched_fp8, grouped_fp8
+from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
+
+FP8_KERNELS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items() if backend.fp8}
 from jmoe.train.loop import train
 from helpers import tiny_config
 
@@ -138,7 +141,7 @@ def test_expert_blocks_compute_what_the_grouped_gemm_does(capacity):
   grouped = GEMM_BACKENDS["ragged_dot"]
 
   def run(fn):
-    return jax.vjp(lambda x, w_in, w_out: fn(x, {"w_in_ED2F": w_in, "w_out_EFD": w_out}),
+    return jax.vjp(lambda x, w_in, w_out: fn(x, ExpertWeights(w_in_ED2F=w_in, w_out_EFD=w_out)),
                    x, w_in, w_out)
 
   # under jit, as in the model: what the blocks close over is traced
@@ -183,7 +186,7 @@ def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load
   state, _ = Checkpointer(tmp_path / "whole" / "checkpoints", 3, async_save=False).restore(
       4, spec.abstract, spec.shardings)
   histories = [np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(state.rest)
-               if "history_3H" in jax.tree_util.keystr(path)]
+               if "history_3Z" in jax.tree_util.keystr(path)]
   assert histories
   for h in histories:  # [layers..., 3, 4]: four steps recorded, the newest first
     assert np.all(h[..., :, :4] > 0), h
@@ -200,7 +203,7 @@ def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load
     leaves = jax.tree_util.tree_leaves_with_path(getattr(started, name))
     for path, value in leaves:
       restored = dict(jax.tree_util.tree_leaves_with_path(getattr(state, name)))[path]
-      if "history_3H" in jax.tree_util.keystr(path):
+      if "history_3Z" in jax.tree_util.keystr(path):
         assert not np.any(np.asarray(value))
       else:
         np.testing.assert_array_equal(value, restored)
@@ -243,7 +246,7 @@ def test_fp8_on_an_expert_parallel_layout_and_fp8_dispatch():
 
 @pytest.mark.parametrize("taken", [True, False])
 def test_run_if_and_move_rows_differentiate_like_their_plain_forms(taken):
-  from jmoe.moe.experts import move_rows, run_if
+  from jmoe.ops.rows import move_rows, run_if
   x, w = data((6, 4), (4, 4), seed=5)
   source = jnp.asarray([4, 0, 6, 2])  # slot 2 empty (6 is out of range)
   inverse = jnp.asarray([1, 6, 3, 6, 0, 6])  # rows 1, 3, 5 go nowhere
@@ -266,13 +269,13 @@ def test_fp8_exchange_moves_float8_rows_and_full_precision_gradients():
   """The all-gather dispatcher's exchange: E4M3 rows out, the bf16 gradient back through the
   transpose (a reduce-scatter)."""
   from jax.sharding import PartitionSpec as P
-  from jmoe.moe.exchange import _all_gather
+  from jmoe.ops.exchange import all_gather
   mesh = jax.make_mesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                        devices=jax.devices()[:4])
   x, dy = data((16, 32), (16, 32), seed=6)
 
   def moved(fp8):
-    gather = jax.jit(jax.shard_map(lambda a: _all_gather(("x",), fp8)(a), mesh=mesh,
+    gather = jax.jit(jax.shard_map(lambda a: all_gather(("x",), fp8)(a), mesh=mesh,
                                    in_specs=P("x"), out_specs=P(), check_vma=False))
     return jax.vjp(gather, x)
 

@@ -20,7 +20,7 @@ from jmoe.checkpoint.hf_families import check_exportable
 from jmoe.checkpoint.params import load_model
 from jmoe.config import ConfigError, ParallelConfig
 from jmoe.parallel import make_layout
-from jmoe.score import score
+from jmoe.inference.score import score
 from jmoe.train.loop import train
 from helpers import tiny_config
 

@@ -1,4 +1,4 @@
-"""The per-device memory estimate (jmoe/train/memory.py, scripts/estimate_memory.py): against XLA's
+"""The per-device memory estimate (jmoe/memory/, scripts/estimate_memory.py): against XLA's
 compiled figure on CPU layouts, and its rules on small functions whose memory is known."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from helpers import merge, tiny_config
-from jmoe.model.attention import _like_fused_kernel
+from jmoe.memory import compiled_bytes, estimate, function_peak
+from jmoe.memory.gpu import like_fused_attention
 from jmoe.parallel import make_layout
-from jmoe.train.memory import compiled_bytes, estimate, function_peak
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.state import state_spec
 from jmoe.train.step import compile_train_step
@@ -103,7 +103,7 @@ def test_fused_attention_stand_in_is_attention():
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in keys)
   xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  fused = lambda q, k, v: _like_fused_kernel(q, k, v, is_causal=True)
+  fused = lambda q, k, v: like_fused_attention(q, k, v, is_causal=True)
   np.testing.assert_allclose(fused(q, k, v), xla(q, k, v), rtol=1e-6)
   loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
   grads = (jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (fused, xla))

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jmoe.model.transformer import Transformer
-from jmoe.train.state import model_factory
+from jmoe.model.factory import model_factory
 from helpers import tiny_config
 
 

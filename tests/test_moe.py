@@ -7,7 +7,8 @@ import pytest
 from flax import nnx
 
 from jmoe.config import MoEConfig, RouterConfig
-from jmoe.moe import GEMM_BACKENDS, MoE, combine, dispatch, grouped_gemm, route
+from jmoe.moe import MoE, combine, route, sort_by_expert
+from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
 
 D, E, F, T = 16, 8, 12, 40
 
@@ -97,8 +98,8 @@ def test_dispatch_then_combine_is_identity_with_its_gradient():
   weights_TK = jax.nn.softmax(jax.random.normal(jax.random.key(2), (T, 3)), axis=-1)
 
   def roundtrip(x):
-    d = dispatch(x, ids_TK, E)
-    return combine(d.x_XD, d, weights_TK)
+    s = sort_by_expert(x, ids_TK, E)
+    return combine(s.x_XD, s.order_X, weights_TK)
 
   np.testing.assert_allclose(roundtrip(x_TD), x_TD, rtol=1e-6, atol=1e-6)
   probe = jax.random.normal(jax.random.key(3), (T, D))
@@ -109,7 +110,7 @@ def test_dispatch_then_combine_is_identity_with_its_gradient():
 def test_dispatch_sorts_rows_by_expert_and_counts():
   ids_TK = jnp.array([[3, 1], [1, 0], [3, 2]], jnp.int32)
   x_TD = jnp.arange(3, dtype=jnp.float32)[:, None] * jnp.ones((3, 2))
-  d = dispatch(x_TD, ids_TK, 4)
+  d = sort_by_expert(x_TD, ids_TK, 4)
   np.testing.assert_array_equal(d.group_sizes_E, [1, 2, 1, 2])
   # rows in expert order, and within an expert in token order: e0:t1, e1:t0,t1, e2:t2, e3:t0,t2
   np.testing.assert_array_equal(d.x_XD[:, 0], [1, 0, 1, 2, 0, 2])

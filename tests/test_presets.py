@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jmoe.config import load_config
-from jmoe.train.state import model_factory
+from jmoe.model.factory import model_factory
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLISHED = {  # config file: (total, active) parameters as their authors state them

@@ -9,8 +9,8 @@ from flax import nnx
 from jmoe.config import BalanceConfig, DenseLayout, ExpertLayout, MoEConfig, ParallelConfig, \
     RouterConfig
 from jmoe.moe import MoE, apply_capacity, balance_loss, bias_step, route
-from jmoe.moe.exchange import local_experts
-from jmoe.moe.experts import expert_gemms
+from jmoe.moe.dispatch import LOCAL_AXES, LocalDispatcher
+from jmoe.moe.experts import ExpertCompute, ExpertWeights
 from jmoe.parallel import make_layout
 
 T, E = 32, 8
@@ -225,11 +225,13 @@ def test_capacity_is_decided_per_device_and_matches_a_per_shard_reference(dispat
   ys, drops = [], []
   for n in range(8):
     r = route(logits[n], layer.cfg.router, 2)
-    experts = {"w_in_ED2F": layer.w_in_ED2F[...], "w_out_EFD": layer.w_out_EFD[...]}
-    y_n, d_n = local_experts(layer.cfg, x_TD[n], r.expert_ids_TK, r.weights_TK, experts,
-                             expert_gemms(layer.cfg))
-    ys.append(y_n)
-    drops.append(d_n)
+    experts = ExpertWeights(w_in_ED2F=layer.w_in_ED2F[...], w_out_EFD=layer.w_out_EFD[...])
+    dispatcher = LocalDispatcher(LOCAL_AXES, experts.num_experts, layer.cfg.capacity_factor,
+                                 layer.cfg.drop_policy)
+    rows, context = dispatcher.dispatch(x_TD[n], r.expert_ids_TK, r.weights_TK)
+    y_XD = ExpertCompute.from_config(layer.cfg)(rows, experts, LOCAL_AXES)
+    ys.append(dispatcher.combine(y_XD, context))
+    drops.append(context.dropped_fraction)
   np.testing.assert_allclose(y.reshape(8, 16, 16), jnp.stack(ys), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(stats.dropped_fraction, np.mean(drops), rtol=1e-6)
   assert float(stats.dropped_fraction) > 0.05

@@ -24,7 +24,7 @@ from jmoe.checkpoint.params import load_model, save_model
 from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.parallel import make_layout
-from jmoe.train.state import DTYPES, model_factory
+from jmoe.model.factory import DTYPES, model_factory
 
 INDEX = "model.safetensors.index.json"
 log = logging.getLogger("jmoe")
@@ -201,16 +201,6 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
                                               f"{moe}.shared_experts.{up}.weight"),
       ("mlp", "shared", "w_out_FD"): _linear(f"{moe}.shared_experts.{down}.weight", 1),
       ("mlp", "expert_bias_E"): _same(f"{moe}.gate.e_score_correction_bias"),
-      # Multi-head latent attention.
-      ("attn", "w_q_DHK"): rope(_linear("self_attn.q_proj.weight", 1), mla.qk_nope_head_dim),
-      ("attn", "w_q_a_DR"): _linear("self_attn.q_a_proj.weight", 1),
-      ("attn", "q_a_norm", "scale"): _same("self_attn.q_a_layernorm.weight"),
-      ("attn", "w_q_b_RHK"): rope(_linear("self_attn.q_b_proj.weight", 1), mla.qk_nope_head_dim),
-      ("attn", "w_kv_a_DR"): rope(_linear("self_attn.kv_a_proj_with_mqa.weight", 1),
-                                  mla.kv_lora_rank),
-      ("attn", "kv_a_norm", "scale"): _same("self_attn.kv_a_layernorm.weight"),
-      ("attn", "w_kv_b_RHK"): _linear("self_attn.kv_b_proj.weight", 1),
-      ("attn", "w_o_HVD"): _linear("self_attn.o_proj.weight", 2),
       # Projection biases and sinks (GPT-OSS).
       ("attn", "b_q_HA"): _flat("self_attn.q_proj.bias"),
       ("attn", "b_k_GA"): _flat("self_attn.k_proj.bias"),
@@ -218,6 +208,19 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
       ("attn", "b_o_D"): _same("self_attn.o_proj.bias"),
       ("attn", "sinks_H"): _same("self_attn.sinks"),
   }
+  if config.model.attention == "mla":  # multi-head latent attention
+    mappings.update({
+        ("attn", "w_q_DHA"): rope(_linear("self_attn.q_proj.weight", 1), mla.qk_nope_head_dim),
+        ("attn", "w_q_a_DR"): _linear("self_attn.q_a_proj.weight", 1),
+        ("attn", "q_a_norm", "scale"): _same("self_attn.q_a_layernorm.weight"),
+        ("attn", "w_q_b_RHA"): rope(_linear("self_attn.q_b_proj.weight", 1),
+                                    mla.qk_nope_head_dim),
+        ("attn", "w_kv_a_DI"): rope(_linear("self_attn.kv_a_proj_with_mqa.weight", 1),
+                                    mla.kv_lora_rank),
+        ("attn", "kv_a_norm", "scale"): _same("self_attn.kv_a_layernorm.weight"),
+        ("attn", "w_kv_b_RHY"): _linear("self_attn.kv_b_proj.weight", 1),
+        ("attn", "w_o_HWD"): _linear("self_attn.o_proj.weight", 2),
+    })
   if family.fused_experts:
     mappings.update({
         ("mlp", "w_in_ED2F"): _interleaved_pairs(f"{moe}.experts.gate_up_proj"),

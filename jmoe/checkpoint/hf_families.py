@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from jmoe.config import (BalanceConfig, ConfigError, MLAConfig, ModelConfig, MoEConfig,
                          RouterConfig, YarnConfig)
+from jmoe.errors import choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +207,7 @@ def _gpt_oss_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
 
 
 def _gpt_oss_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
-  kinds = ["sliding_attention" if m.sliding_window and not (
-      m.full_attention_every and i % m.full_attention_every == m.full_attention_every - 1)
-           else "full_attention" for i in range(m.num_layers)]
+  kinds = ["sliding_attention" if m.windowed(i) else "full_attention" for i in range(m.num_layers)]
   return dict(_common_to_hf(m), architectures=["GptOssForCausalLM"], model_type="gpt_oss",
               intermediate_size=moe.d_ff_expert, num_local_experts=moe.num_experts,
               num_experts_per_tok=moe.top_k, sliding_window=m.sliding_window or None,
@@ -238,6 +237,12 @@ def family_of_hf(hf: dict) -> Family:
   raise ConfigError(
       f"unsupported architecture {hf.get('architectures')} (model_type {hf.get('model_type')!r}); "
       f"jmoe converts {sorted(f.architecture for f in FAMILIES.values())}")
+
+
+def check_family(name: str) -> None:
+  """A ConfigError unless `model.family` is "" (none) or a family jmoe converts."""
+  if name:
+    choice("model.family", name, FAMILIES)
 
 
 def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:

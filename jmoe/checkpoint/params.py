@@ -21,7 +21,8 @@ from flax import nnx
 from jmoe.checkpoint.manager import Checkpointer, describe_mismatch, with_shardings
 from jmoe.config import Config, ConfigError, from_config_dict, to_dict
 from jmoe.parallel import Layout
-from jmoe.train.state import model_factory
+from jmoe.model.factory import model_factory
+from jmoe.ops.fp8 import Fp8History
 
 
 def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) -> None:
@@ -49,10 +50,11 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
     raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
                       f"import-hf` or `upcycle`) or a training --workdir")
   target = with_shardings(nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))
+  run_state = lambda: _run_state_paths(read_config(directory))
   if (directory / "model").is_dir():
     with ocp.StandardCheckpointer() as checkpointer:
       _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
-             target)
+             target, run_state())
       pure = checkpointer.restore(directory / "model", target)
   else:
     step = None
@@ -63,13 +65,15 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
     if step is None:
       raise ConfigError(f"{directory} holds neither model/ (a model checkpoint) nor a checkpoint "
                         f"under checkpoints/ (a training workdir)")
-    pure = _read_from_train_state(directory / "checkpoints" / str(step) / "state", target)
+    pure = _read_from_train_state(directory / "checkpoints" / str(step) / "state", target,
+                                  run_state())
   state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
   nnx.replace_by_pure_dict(state, pure)
   return state
 
 
-def _read_from_train_state(path: pathlib.Path, target: dict[str, Any]) -> dict[str, Any]:
+def _read_from_train_state(path: pathlib.Path, target: dict[str, Any],
+                           run_state: set[tuple[str, ...]]) -> dict[str, Any]:
   """Only the model variables of a saved train state (its `params` and `rest`). There each
   variable is a {"value": array} node, as nnx flattens a Variable, and list indices are strings."""
   with ocp.PyTreeCheckpointer() as checkpointer:
@@ -77,7 +81,7 @@ def _read_from_train_state(path: pathlib.Path, target: dict[str, Any]) -> dict[s
     saved_model = {}
     for part in ("params", "rest"):
       saved_model = merge_dicts(saved_model, _unwrap(dict(saved.get(part) or {})))
-    _check(path, saved_model, _string_keys(target))
+    _check(path, saved_model, _string_keys(target), run_state)
     split = {part: _in_saved_form(target, saved.get(part) or {}) for part in ("params", "rest")}
     split = {part: tree for part, tree in split.items() if tree}  # an empty one reads as a leaf
     restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
@@ -87,18 +91,23 @@ def _read_from_train_state(path: pathlib.Path, target: dict[str, Any]) -> dict[s
                                    _unwrap(restored.get("rest", {}))))
 
 
-# Variables of a run rather than of the model: FP8 amax histories (jmoe/model/fp8.py). A model
-# read from a checkpoint may hold them or not; those this config has start fresh.
-RUN_STATE_NAMES = ("history_3H",)
+def _run_state_paths(config: Config) -> set[tuple[str, ...]]:
+  """Where the model `config` describes keeps variables of a run rather than of the model (FP8
+  amax histories, jmoe/ops/fp8.py): a model read from a checkpoint may hold them or not, and
+  those the reading config has start fresh."""
+  histories = nnx.state(nnx.eval_shape(model_factory(config)), Fp8History)
+  return {tuple(str(key) for key in path) for path, _ in nnx.to_flat_state(histories)}
 
 
-def _without_run_state(saved: Any, target: Any) -> Any:
+def _without_run_state(saved: Any, target: Any, run_state: set[tuple[str, ...]],
+                       path: tuple[str, ...] = ()) -> Any:
   """`saved` without the run-state variables that `target` does not ask for."""
   if not isinstance(saved, dict):
     return saved
   wanted = target if isinstance(target, dict) else {}
-  return {key: _without_run_state(value, wanted.get(key, {})) for key, value in saved.items()
-          if not (key in RUN_STATE_NAMES and key not in wanted)}
+  return {key: _without_run_state(value, wanted.get(key, {}), run_state, path + (str(key),))
+          for key, value in saved.items()
+          if not (path + (str(key),) in run_state and key not in wanted)}
 
 
 def _string_keys(tree: Any) -> Any:
@@ -144,8 +153,8 @@ def merge_dicts(a: dict, b: dict) -> dict:
   return out
 
 
-def _check(path: pathlib.Path, saved: Any, target: Any) -> None:
-  problem = describe_mismatch(_without_run_state(saved, target), target)
+def _check(path: pathlib.Path, saved: Any, target: Any, run_state: set[tuple[str, ...]]) -> None:
+  problem = describe_mismatch(_without_run_state(saved, target, run_state), target)
   if problem:
     raise ConfigError(f"the model in {path} does not fit this config: {problem}. Use the "
                       f"model settings it was saved with (its config.json)")

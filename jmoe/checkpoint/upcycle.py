@@ -27,7 +27,7 @@ from jmoe.checkpoint.params import read_config, read_variables, save_model
 from jmoe.config import (Config, ConfigError, DenseLayout, ExpertLayout, ParallelConfig,
                          RouterConfig, to_dict)
 from jmoe.parallel import make_layout
-from jmoe.train.state import model_factory
+from jmoe.model.factory import model_factory
 
 log = logging.getLogger("jmoe")
 
@@ -94,14 +94,16 @@ def upcycle_variables(dense: dict, moe_init: dict, config: Config, slices: int,
   w_in_LD2F, w_out_LFD = tail["mlp"]["w_in_D2F"], tail["mlp"]["w_out_FD"]
   layers, d_model = w_in_LD2F.shape[:2]
   f, replicas = m.d_ff_expert, m.num_experts // slices
-  # Expert e = replica e // G, slice e % G.
-  w_in_LGD2f = jnp.moveaxis(w_in_LD2F.reshape(layers, d_model, 2, slices, f), 3, 1)
-  mlp["w_in_ED2F"] = jnp.tile(w_in_LGD2f, (1, replicas, 1, 1, 1))
+  # Expert e = replica e // slices, slice e % slices. Letter e: the slices (a part of E); f: the
+  # width of one (a part of F).
+  w_in_LeD2f = jnp.moveaxis(w_in_LD2F.reshape(layers, d_model, 2, slices, f), 3, 1)
+  mlp["w_in_ED2F"] = jnp.tile(w_in_LeD2f, (1, replicas, 1, 1, 1))
   scale = 1.0 / ((m.top_k // slices) * uniform_weight(m.router, m.num_experts, m.top_k))
-  w_out_LGfD = w_out_LFD.reshape(layers, slices, f, d_model) * scale
-  mlp["w_out_EFD"] = jnp.tile(w_out_LGfD, (1, replicas, 1, 1))
-  router_LDR = router_std * jax.random.normal(key, (layers, d_model, replicas), jnp.float32)
-  mlp["router_DE"] = jnp.repeat(router_LDR, slices, axis=-1)
+  w_out_LefD = w_out_LFD.reshape(layers, slices, f, d_model) * scale
+  mlp["w_out_EFD"] = jnp.tile(w_out_LefD, (1, replicas, 1, 1))
+  # One router column per replica ([L, D, replicas]), shared by its slices.
+  router = router_std * jax.random.normal(key, (layers, d_model, replicas), jnp.float32)
+  mlp["router_DE"] = jnp.repeat(router, slices, axis=-1)
   for name in ("router_bias_E", "b_in_E2F", "b_out_ED", "expert_bias_E"):
     if name in mlp:
       mlp[name] = jnp.zeros_like(mlp[name])

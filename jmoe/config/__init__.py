@@ -6,4 +6,5 @@ from jmoe.config.schema import (BalanceConfig, CheckpointConfig, Config, DataCon
                                 ExpertLayout, MoEConfig, ModelConfig, ParallelConfig,
                                 MLAConfig, PrecisionConfig, RouterConfig, TrainConfig, YarnConfig,
                                 to_dict)
-from jmoe.config.validate import ConfigError, validate
+from jmoe.config.validate import validate
+from jmoe.errors import ConfigError

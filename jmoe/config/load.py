@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 import ml_collections
 
 from jmoe.config.schema import Config
-from jmoe.config.validate import ConfigError, validate
+from jmoe.config.validate import validate
+from jmoe.errors import ConfigError
 
 
 def load_config(path: str | pathlib.Path, overrides: Sequence[str] = ()) -> Config:

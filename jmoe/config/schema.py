@@ -63,6 +63,14 @@ class ModelConfig:
   # qwen3_moe, mixtral, deepseek_v3 or gpt_oss.
   family: str = ""
 
+  def windowed(self, layer):
+    """Whether layer `layer` (an int, or a traced index) attends through the sliding window."""
+    if not self.sliding_window:
+      return False
+    if not self.full_attention_every:
+      return True
+    return layer % self.full_attention_every != self.full_attention_every - 1
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -154,9 +162,18 @@ class TrainConfig:
   mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
   eval_every: int = 0  # steps between evaluations on the held-out split (0: none)
-  # What the backward pass recomputes (jmoe/model/stack.py): none | full | dots | attention |
+  # What the backward pass recomputes (jmoe/ops/remat.py): none | full | dots | attention |
   # attention_moe | attention_moe_experts | offload_attention_moe
   remat: str = "none"
+
+  @property
+  def micro_batch(self) -> int:
+    """Sequences per micro-batch (the whole batch without accumulation)."""
+    return self.micro_batch_size or self.batch_size
+
+  @property
+  def num_micro_batches(self) -> int:
+    return self.batch_size // self.micro_batch
 
 
 @dataclass(frozen=True)
@@ -185,7 +202,7 @@ class DataConfig:
 class PrecisionConfig:
   params: str = "float32"  # storage dtype of the parameters (and so of the optimizer's master copy)
   compute: str = "bfloat16"  # dtype of activations and GEMM inputs; router and losses stay float32
-  # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/model/fp8.py).
+  # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/ops/fp8.py).
   # mxfp8 and nvfp4 name Blackwell's block-scaled formats: planned, see docs/FP8.md.
   gemm: str = "bf16"
   fp8_recipe: str = "current"  # dense GEMMs' scales: current (per-tensor amax now) | delayed

@@ -1,29 +1,28 @@
 """Checks on a whole `Config`, once, with messages that name the key and say what to change.
 
-Checks that need the devices (does a layout fit them?) live with the mesh in jmoe/parallel/.
+A key that names a variant from a registry is checked against that registry's own names: the
+kernels and policies of jmoe/ops/ here; the dispatchers (`moe.dispatcher`) by the MoE layer when it
+is built, and the Hugging Face families (`model.family`) by the trainer and the converters, whose
+packages sit above this one. Checks that need the devices (does a layout fit them?) live with the
+mesh in jmoe/parallel/.
 """
 
 from __future__ import annotations
 
 from jmoe.config.schema import Config
+from jmoe.errors import ConfigError
+from jmoe.ops.activations import GATED_ACTIVATIONS
+from jmoe.ops.attention import ATTENTION_KERNELS
+from jmoe.ops.fp8 import FORMATS
+from jmoe.ops.grouped_gemm import GEMM_BACKENDS
+from jmoe.ops.params import DTYPES
+from jmoe.ops.remat import REMAT_POLICIES
 
-GEMM_BACKENDS = ("auto", "tokamax", "ragged_dot", "dense")
-DISPATCHERS = ("allgather", "alltoall")
 ROUTER_SCORES = ("softmax", "softmax_topk", "sigmoid")
 AUX_LOSS_TYPES = ("global", "micro_batch", "seq")
 DROP_POLICIES = ("probability", "position")
-REMAT_POLICIES = ("none", "full", "dots", "attention", "attention_moe", "attention_moe_experts",
-                  "offload_attention_moe")  # as jmoe/model/stack.py defines them
-DTYPES = ("float32", "bfloat16")
 PACKINGS = ("concat", "none")
-FAMILIES = ("", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss")
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
 ATTENTIONS = ("gqa", "mla")
-ATTENTION_KERNELS = ("auto", "cudnn", "xla")
-
-
-class ConfigError(ValueError):
-  """A config value that cannot work; the message says which key and what to do."""
 
 
 def validate(config: Config) -> None:
@@ -54,9 +53,8 @@ def _model(config: Config):
     yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
   if m.sliding_window < 0 or m.full_attention_every < 0 or m.mtp_depth < 0:
     yield "model.sliding_window, model.full_attention_every and model.mtp_depth must be >= 0"
-  yield from _one_of("model.family", m.family, FAMILIES)
   yield from _one_of("model.attention", m.attention, ATTENTIONS)
-  yield from _one_of("model.attention_kernel", m.attention_kernel, ATTENTION_KERNELS)
+  yield from _one_of("model.attention_kernel", m.attention_kernel, ["auto", *ATTENTION_KERNELS])
   if m.attention == "mla":
     yield from _positive("model.mla", m.mla, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                          "v_head_dim")
@@ -77,14 +75,13 @@ def _moe(config: Config):
   if not 0 <= moe.first_k_dense <= config.model.num_layers:
     yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers] = "
            f"[0, {config.model.num_layers}] (all layers dense: a dense model)")
-  yield from _one_of("moe.gemm", moe.gemm, GEMM_BACKENDS)
+  yield from _one_of("moe.gemm", moe.gemm, ["auto", *GEMM_BACKENDS])
   if moe.expert_blocks < 0:
     yield f"moe.expert_blocks must be >= 0 (0: off), got {moe.expert_blocks}"
-  yield from _one_of("moe.dispatcher", moe.dispatcher, DISPATCHERS)
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
   yield from _one_of("moe.balance.aux_loss_type", moe.balance.aux_loss_type, AUX_LOSS_TYPES)
   yield from _one_of("moe.drop_policy", moe.drop_policy, DROP_POLICIES)
-  yield from _one_of("moe.activation", moe.activation, ACTIVATIONS)
+  yield from _one_of("moe.activation", moe.activation, GATED_ACTIVATIONS)
   for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
     if getattr(moe.balance, name) < 0:
       yield f"moe.balance.{name} must be >= 0, got {getattr(moe.balance, name)}"
@@ -112,8 +109,7 @@ def _moe(config: Config):
 def _train(config: Config):
   t = config.train
   yield from _positive("train", t, "steps", "batch_size", "log_every", "lr")
-  micro = t.micro_batch_size or t.batch_size
-  if micro <= 0 or t.batch_size % micro:
+  if t.micro_batch <= 0 or t.batch_size % t.micro_batch:
     yield (f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
            f"({t.micro_batch_size}); use a divisor of the batch size, or 0 for no accumulation")
   if not 0 <= t.warmup_steps < t.steps:
@@ -150,7 +146,7 @@ def _precision(p):
     return
   yield from _one_of("precision.gemm", p.gemm, ("bf16", "fp8"))
   yield from _one_of("precision.fp8_recipe", p.fp8_recipe, ("current", "delayed"))
-  yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, ("e5m2", "e4m3"))
+  yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, FORMATS)
   if p.fp8_amax_history < 1:
     yield f"precision.fp8_amax_history must be >= 1, got {p.fp8_amax_history}"
   if p.gemm != "fp8" and p.fp8_dispatch:

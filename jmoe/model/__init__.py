@@ -1,5 +1,5 @@
-"""Model: embeddings, attention, dense MLP, transformer blocks stacked over layers, output head.
+"""Model: embeddings, attention (GQA, MLA), dense MLP, blocks stacked over layers, MTP, output head.
 
-Import `jmoe.model.transformer.Transformer`; this package init stays empty so that jmoe.moe can use
-the building blocks here without an import cycle.
+`factory.model_factory(config)` builds the model a config describes; `transformer.Transformer` is
+the model. The MoE layer the blocks use is jmoe.moe's; the kernels under both are jmoe.ops'.
 """

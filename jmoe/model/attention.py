@@ -1,19 +1,12 @@
 """Causal grouped-query attention with rotary embeddings.
 
-The kernel is `jax.nn.dot_product_attention`: cuDNN's fused kernel on GPUs (`model.attention_kernel`
-auto or cudnn; a mask, for packed documents or alternating windows, and the sinks reach it as a
-bias), XLA's elsewhere or when cuDNN refuses a case (logged once). Options (config): QK-norm,
-sliding windows (on every layer, or alternating with full attention), projection biases, and
-attention sinks.
+The kernel is chosen by `model.attention_kernel` (jmoe/ops/attention.py: cuDNN's fused kernel on
+GPUs, XLA's elsewhere); a mask, for packed documents or alternating windows, and the sinks reach it
+as a mask and a bias. Options (config): QK-norm, sliding windows (on every layer, or alternating
+with full attention), projection biases, and attention sinks.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-import functools
-import logging
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,80 +14,16 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
-from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
-from jmoe.model.layers import RMSNorm, param
+from jmoe.model.layers import RMSNorm
 from jmoe.model.rope import apply_rope, softmax_scale
+from jmoe.ops.attention import attention
+from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
+from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
 KV_AXES = ("act_batch", None, "act_kv_heads", None)
-log = logging.getLogger("jmoe")
-
-
-# While jmoe.train.memory estimates a GPU run, attention stands for cuDNN's fused kernel
-# (`_like_fused_kernel`, traceable on any platform), under this name scope: the estimate counts
-# what is made inside it as the kernel's own working memory, never stored.
-FUSED_SCOPE = "fused_attention"
-_AS_ON_GPU: contextvars.ContextVar[bool] = contextvars.ContextVar("jmoe_as_on_gpu", default=False)
-
-
-@contextlib.contextmanager
-def traced_as_on_gpu() -> Iterator[None]:
-  token = _AS_ON_GPU.set(True)
-  try:
-    yield
-  finally:
-    _AS_ON_GPU.reset(token)
-
-
-@functools.cache
-def _refused(reason: str) -> None:
-  log.warning("cuDNN attention refused a case (%s); it runs through XLA's attention", reason)
-
-
-def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto", **kwargs) -> jax.Array:
-  """`jax.nn.dot_product_attention` through the kernel `kernel` asks for: cudnn, xla, or auto
-  (cuDNN on GPUs for 16-bit inputs, else XLA)."""
-  on_gpu = jax.default_backend() == "gpu"
-  if kernel == "auto":
-    gpu_16bit = (on_gpu or _AS_ON_GPU.get()) and q_BSHA.dtype in (jnp.bfloat16, jnp.float16)
-    kernel = "cudnn" if gpu_16bit else "xla"
-  if kernel == "cudnn" and _AS_ON_GPU.get():
-    return _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs)
-  if kernel == "cudnn":
-    try:
-      return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="cudnn",
-                                          **kwargs)
-    except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
-      _refused(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-  return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="xla", **kwargs)
-
-
-def _like_fused_kernel(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  """Attention that holds memory as cuDNN's fused kernel does, for memory estimates: the backward
-  pass keeps its inputs, its output and float32 softmax statistics per query and head (zeros of
-  their size: estimates only trace this), and recomputes the rest inside the kernel."""
-  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-  static = {k: v for k, v in kwargs.items() if k not in arrays}
-  attend = lambda q, k, v, a: jax.nn.dot_product_attention(q, k, v, implementation="xla",
-                                                           **static, **a)
-
-  @jax.custom_vjp
-  def kernel(q, k, v, a):
-    return attend(q, k, v, a)
-
-  def forward(q, k, v, a):
-    out = attend(q, k, v, a)
-    return out, (q, k, v, a, out, jnp.zeros(q.shape[:-1], jnp.float32))
-
-  def backward(saved, g):
-    q, k, v, a = saved[:4]
-    return jax.vjp(attend, q, k, v, a)[1](g)
-
-  kernel.defvjp(forward, backward)
-  with jax.named_scope(FUSED_SCOPE):
-    return kernel(q_BSHA, k_BSGA, v_BSGA, arrays)
 
 
 def same_document(segment_ids_BS: jax.Array) -> jax.Array:
@@ -115,13 +44,13 @@ class Attention(nnx.Module):
     self.w_k_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), **kw)
     self.w_v_DGA = param(rngs, (d, g, a), ("embed", "kv_heads", "head_dim"), **kw)
     self.w_o_HAD = param(rngs, (h, a, d), ("heads", "head_dim", "embed"), **kw)
-    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, decay=False)
+    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, kind="bias")
                                 if cfg.attention_bias else None)
     self.b_q_HA = bias((h, a), ("heads", "head_dim"))
     self.b_k_GA = bias((g, a), ("kv_heads", "head_dim"))
     self.b_v_GA = bias((g, a), ("kv_heads", "head_dim"))
     self.b_o_D = bias((d,), ("norm",))
-    self.sinks_H = (param(rngs, (h,), ("heads",), std=0, dtype=param_dtype, decay=False)
+    self.sinks_H = (param(rngs, (h,), ("heads",), std=0, dtype=param_dtype, kind="bias")
                     if cfg.attention_sinks else None)
     self.q_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
@@ -149,9 +78,7 @@ class Attention(nnx.Module):
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:
     cfg = self.cfg
     kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn), kernel=cfg.attention_kernel)
-    windowed_here = bool(cfg.sliding_window)
-    if cfg.sliding_window and cfg.full_attention_every:  # this layer's window: by its index
-      windowed_here = (layer % cfg.full_attention_every) != cfg.full_attention_every - 1
+    windowed_here = cfg.windowed(layer)  # `layer` may be traced (the scan over layers)
     if self.sinks_H is None and not cfg.full_attention_every and segment_ids_BS is None:
       # The kernel builds the mask.
       window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self

@@ -7,11 +7,11 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
-from jmoe.model.fp8 import Fp8Recipe
 from jmoe.model.layers import RMSNorm
 from jmoe.model.mla import MLAttention
 from jmoe.model.mlp import SwiGLU
-from jmoe.moe.layer import MoE
+from jmoe.moe import MoE
+from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.parallel import constrain
 
 # The residual stream between blocks: sequence-parallel over context and tensor devices.
@@ -31,7 +31,9 @@ class Block(nnx.Module):
     if moe is None:
       self.mlp = SwiGLU(cfg.d_model, cfg.d_ff, cfg.init_std, dtype=dtype, **kw)
     else:
-      self.mlp = MoE(cfg.d_model, moe, cfg.init_std, dtype=dtype, **kw)
+      shared = (lambda: SwiGLU(cfg.d_model, moe.num_shared_experts * moe.d_ff_expert, cfg.init_std,
+                               dtype=dtype, **kw)) if moe.num_shared_experts else None
+      self.mlp = MoE(cfg.d_model, moe, cfg.init_std, dtype=dtype, make_shared=shared, **kw)
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
                segment_ids_BS: jax.Array | None = None, rng: jax.Array | None = None,

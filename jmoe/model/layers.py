@@ -1,4 +1,4 @@
-"""Small building blocks: parameters with logical axes, RMSNorm, embedding."""
+"""Small building blocks: RMSNorm and the embedding."""
 
 from __future__ import annotations
 
@@ -6,30 +6,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
-          std: float | None, dtype, decay: bool = True) -> nnx.Param:
-  """A parameter with its logical axis names (`axes`) for the sharding rules in jmoe/parallel/.
-
-  std=None initialises to ones (norm scales), std=0 to zeros (biases). `decay` says whether weight
-  decay applies to it.
-  """
-  assert len(shape) == len(axes), (shape, axes)
-  if std is None:
-    value = jnp.ones(shape, dtype)
-  elif std == 0:
-    value = jnp.zeros(shape, dtype)
-  else:
-    value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
-    value = value.astype(dtype)
-  return nnx.Param(value, axes=axes, weight_decay=decay)
+from jmoe.ops.params import param
 
 
 class RMSNorm(nnx.Module):
 
   def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
     self.eps = eps
-    self.scale = param(rngs, (dim,), ("norm",), std=None, dtype=param_dtype, decay=False)
+    self.scale = param(rngs, (dim,), ("norm",), std=None, dtype=param_dtype, kind="scale")
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
     x32 = x_BSD.astype(jnp.float32)
@@ -42,7 +26,8 @@ class Embed(nnx.Module):
   def __init__(self, vocab_size: int, dim: int, std: float, *, param_dtype, dtype,
                rngs: nnx.Rngs):
     self.dtype = dtype
-    self.table = param(rngs, (vocab_size, dim), ("vocab", "embed"), std=std, dtype=param_dtype)
+    self.table = param(rngs, (vocab_size, dim), ("vocab", "embed"), std=std, dtype=param_dtype,
+                       kind="lookup")
 
   def __call__(self, tokens_BS: jax.Array) -> jax.Array:
     return jnp.take(self.table[...], tokens_BS, axis=0).astype(self.dtype)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
-from jmoe.model.layers import param
+from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
+from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
 

@@ -10,8 +10,9 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
-from jmoe.model.fp8 import Fp8Recipe, fp8_site, project
-from jmoe.model.layers import RMSNorm, param
+from jmoe.model.layers import RMSNorm
+from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
+from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
 

@@ -45,9 +45,9 @@ def rope_frequencies(dim: int, theta: float, yarn: YarnConfig) -> tuple[np.ndarr
 def apply_rope(x_BSHA: jax.Array, positions_BS: jax.Array, theta: float,
                yarn: YarnConfig = YarnConfig()) -> jax.Array:
   inv_freq, scale = rope_frequencies(x_BSHA.shape[-1], theta, yarn)
-  angles_BSA = positions_BS[..., None].astype(jnp.float32) * inv_freq  # A here is half
-  cos = jnp.cos(angles_BSA)[:, :, None, :] * scale
-  sin = jnp.sin(angles_BSA)[:, :, None, :] * scale
+  angles_BSa = positions_BS[..., None].astype(jnp.float32) * inv_freq  # a: half of A
+  cos = jnp.cos(angles_BSa)[:, :, None, :] * scale
+  sin = jnp.sin(angles_BSa)[:, :, None, :] * scale
   x1, x2 = jnp.split(x_BSHA.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BSHA.dtype)

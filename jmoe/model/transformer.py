@@ -8,12 +8,12 @@ from flax import nnx
 
 from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
-from jmoe.model.fp8 import Fp8Recipe
-from jmoe.model.layers import Embed, RMSNorm, param
+from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
 from jmoe.model.stack import make_stack, run_stack
-from jmoe.moe.layer import bias_step
-from jmoe.moe.route import RouterStats
+from jmoe.moe import RouterStats, bias_step
+from jmoe.ops.fp8 import Fp8Recipe
+from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
 
@@ -58,10 +58,10 @@ class Transformer(nnx.Module):
     h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
     return self._logits(self.final_norm(h_BSD)), stats
 
-  def with_mtp(self, tokens_BS: jax.Array, next_tokens_BKS: jax.Array,
+  def with_mtp(self, tokens_BS: jax.Array, next_tokens_BLS: jax.Array,
                positions_BS: jax.Array | None = None, segment_ids_BS: jax.Array | None = None,
                *, rng: jax.Array | None = None):
-    """Training forward with multi-token prediction: `next_tokens_BKS[:, k]` are the tokens k + 1
+    """Training forward with multi-token prediction: `next_tokens_BLS[:, k]` are the tokens k + 1
     places ahead of `tokens_BS`. Returns (logits, MTP logits [B, depth, S, V], router stats of
     the MoE layers and then the MTP blocks)."""
     positions_BS = self._positions(tokens_BS, positions_BS)
@@ -70,7 +70,7 @@ class Transformer(nnx.Module):
     mtp_logits, mtp_stats = [], []
     for k, module in enumerate(self.mtp):
       key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
-      h_BSD, out_BSD, block_stats = module(h_BSD, self.embed(next_tokens_BKS[:, k]), positions_BS,
+      h_BSD, out_BSD, block_stats = module(h_BSD, self.embed(next_tokens_BLS[:, k]), positions_BS,
                                            segment_ids_BS, key, self.cfg.num_layers + k)
       mtp_logits.append(self._logits(out_BSD))
       mtp_stats.append(block_stats)

@@ -1,16 +1,22 @@
-"""The MoE layer as four stages, each a pure function in its own file:
+"""The MoE layer as four stages (`MoE.__call__` in layer.py runs them in order, each under a
+`jax.named_scope` of its name, so profiles and the memory estimate see them):
 
-  route    (route.py)    router logits -> chosen experts, their weights, balancing terms
-  dispatch (dispatch.py) token copies sorted by expert, tokens counted per expert
-  experts  (experts.py)  grouped GEMMs over all experts at once, through a chosen backend
-  combine  (combine.py)  un-sort, weighted sum over each token's k choices
+  route     route.py      router logits -> each token's k experts, their weights, balancing terms
+  dispatch  dispatch.py   capacity (capacity.py) on a device's own copies, then the copies moved
+            allgather.py  to their experts' devices and sorted by local expert; a dispatcher per
+            alltoall.py   way of moving them (`DISPATCHERS`, layer.py; the no-mesh case)
+  experts   experts.py    each local expert's gated FFN through grouped GEMMs (jmoe/ops/), or
+                          per-expert blocks through a batched GEMM
+  combine   combine.py    the outputs moved back (the dispatcher's `combine`), un-sorted, and each
+                          token's k outputs summed with their weights
 
-`layer.py` holds the parameters and runs the stages in order.
+dispatch -> experts -> combine run on each device's tokens and experts, inside `jax.shard_map`
+when a layout is active (`on_expert_shards`, dispatch.py).
 """
 
 from jmoe.moe.capacity import apply_capacity
 from jmoe.moe.combine import combine
-from jmoe.moe.dispatch import Dispatched, dispatch
-from jmoe.moe.experts import GEMM_BACKENDS, expert_ffn, grouped_gemm
-from jmoe.moe.layer import ExpertBias, MoE, bias_step
+from jmoe.moe.dispatch import Dispatcher, Rows, sort_by_expert
+from jmoe.moe.experts import ExpertCompute, ExpertWeights, expert_ffn
+from jmoe.moe.layer import DISPATCHERS, ExpertBias, MoE, bias_step
 from jmoe.moe.route import RouterStats, Routing, balance_loss, route

@@ -1,6 +1,8 @@
-"""The MoE layer: router and expert parameters, and the four stages run in order."""
+"""The MoE layer: router and expert parameters, and route -> dispatch -> experts -> combine."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +10,19 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import MoEConfig
-from jmoe.model.fp8 import Fp8Recipe
-from jmoe.model.layers import param
-from jmoe.model.mlp import SwiGLU
-from jmoe.moe.exchange import local_experts, sharded_experts
-from jmoe.moe.experts import expert_gemms
+from jmoe.errors import choice
+from jmoe.moe.allgather import AllGatherDispatcher
+from jmoe.moe.alltoall import AllToAllDispatcher
+from jmoe.moe.dispatch import Dispatcher, LocalDispatcher, on_expert_shards
+from jmoe.moe.experts import ExpertCompute, ExpertWeights
 from jmoe.moe.route import RouterStats, route
-from jmoe.parallel import active_layout
+from jmoe.ops.fp8 import Fp8Recipe
+from jmoe.ops.params import param
+from jmoe.parallel import ExpertAxes, active_layout
+
+# How tokens reach experts on other devices: the names `moe.dispatcher` may take.
+DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher,
+                                            "alltoall": AllToAllDispatcher}
 
 
 class ExpertBias(nnx.Variable):
@@ -28,15 +36,19 @@ def bias_step(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
 
 
 class MoE(nnx.Module):
+  """`make_shared` builds the always-on experts (a dense MLP of the caller's, whose output is
+  summed into the layer's), after the layer's own parameters."""
 
   def __init__(self, d_model: int, cfg: MoEConfig, std: float, *, param_dtype, dtype,
-               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None,
+               make_shared: Callable[[], nnx.Module] | None = None):
+    choice("moe.dispatcher", cfg.dispatcher, DISPATCHERS)  # config validation cannot see it
     self.cfg = cfg
     self.dtype = dtype
     self.fp8 = fp8
     e, f = cfg.num_experts, cfg.d_ff_expert
     self.router_DE = param(rngs, (d_model, e), ("embed", None), std=std, dtype=param_dtype)
-    self.router_bias_E = (param(rngs, (e,), (None,), std=0, dtype=param_dtype, decay=False)
+    self.router_bias_E = (param(rngs, (e,), (None,), std=0, dtype=param_dtype, kind="bias")
                           if cfg.router.bias else None)
     self.expert_bias_E = (ExpertBias(jnp.zeros((e,), jnp.float32), axes=(None,))
                           if cfg.balance.bias_update_rate > 0 else None)
@@ -44,14 +56,11 @@ class MoE(nnx.Module):
                            std=std, dtype=param_dtype)
     self.w_out_EFD = param(rngs, (e, f, d_model), ("expert", "expert_mlp", "expert_embed"), std=std,
                            dtype=param_dtype)
-    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, decay=False)
+    bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, kind="bias")
                                 if cfg.expert_bias else None)
     self.b_in_E2F = bias((e, 2, f), ("expert", None, "expert_mlp"))
     self.b_out_ED = bias((e, d_model), ("expert", None))
-    self.shared = (
-        SwiGLU(d_model, cfg.num_shared_experts * f, std, param_dtype=param_dtype, dtype=dtype,
-               rngs=rngs, fp8=fp8)
-        if cfg.num_shared_experts else None)
+    self.shared = make_shared() if make_shared is not None else None
 
   def __call__(self, x_BSD: jax.Array, rng: jax.Array | None = None
                ) -> tuple[jax.Array, RouterStats]:
@@ -62,19 +71,38 @@ class MoE(nnx.Module):
       routing = route(self._router_logits(x_TD, rng), self.cfg.router, self.cfg.top_k,
                       expert_bias_E=None if self.expert_bias_E is None else self.expert_bias_E[...],
                       balance_groups=self._balance_groups(batch, layout))
-    experts = {name: getattr(self, name)[...].astype(self.dtype)
-               for name in ("w_in_ED2F", "w_out_EFD", "b_in_E2F", "b_out_ED")
-               if getattr(self, name) is not None}
     fp8 = self.fp8
-    gemms = expert_gemms(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
-    args = (self.cfg, x_TD, routing.expert_ids_TK, routing.weights_TK, experts, gemms,
-            bool(fp8 and fp8.dispatch))
-    with jax.named_scope("dispatch_experts_combine"):
-      y_TD, dropped = local_experts(*args) if layout is None else sharded_experts(layout, *args)
+    compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
+
+    def stages(axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK, experts: ExpertWeights):
+      """One device's tokens and experts."""
+      dispatcher = self._dispatcher(axes, experts.num_experts, layout is None)
+      with jax.named_scope("dispatch"):
+        rows, context = dispatcher.dispatch(x_TD, expert_ids_TK, weights_TK)
+      with jax.named_scope("experts"):
+        y_XD = compute(rows, experts, axes)
+      with jax.named_scope("combine"):
+        y_TD = dispatcher.combine(y_XD, context)
+      return y_TD, context.dropped_fraction
+
+    y_TD, dropped = on_expert_shards(layout, stages, x_TD, routing.expert_ids_TK,
+                                     routing.weights_TK, self._expert_weights(),
+                                     check_vma=compute.grouped.keeps_varying_axes)
     y_BSD = y_TD.reshape(batch, seq, d_model)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
     return y_BSD, routing.stats.replace(dropped_fraction=dropped)
+
+  def _dispatcher(self, axes: ExpertAxes, num_local: int, local: bool) -> Dispatcher:
+    cfg = self.cfg
+    kind = LocalDispatcher if local else DISPATCHERS[cfg.dispatcher]
+    fp8_dispatch = bool(self.fp8 and self.fp8.dispatch) and not local
+    return kind(axes, num_local, cfg.capacity_factor, cfg.drop_policy, fp8_dispatch)
+
+  def _expert_weights(self) -> ExpertWeights:
+    cast = lambda p: None if p is None else p[...].astype(self.dtype)
+    return ExpertWeights(w_in_ED2F=cast(self.w_in_ED2F), w_out_EFD=cast(self.w_out_EFD),
+                         b_in_E2F=cast(self.b_in_E2F), b_out_ED=cast(self.b_out_ED))
 
   def _router_logits(self, x_TD: jax.Array, rng: jax.Array | None) -> jax.Array:
     """Router logits in float32, with multiplicative input jitter when training asks for it."""

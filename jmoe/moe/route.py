@@ -38,12 +38,12 @@ class Routing:
 def _limit_to_groups(select_TE: jax.Array, num_groups: int, topk_groups: int) -> jax.Array:
   """Sets the selection scores of experts outside each token's best groups to -inf."""
   num_tokens, num_experts = select_TE.shape
-  select_TGe = select_TE.reshape(num_tokens, num_groups, num_experts // num_groups)
-  group_score_TG = jnp.sum(jax.lax.top_k(select_TGe, 2)[0], axis=-1)
-  _, best_groups_Tg = jax.lax.top_k(group_score_TG, topk_groups)
-  keep_TG = jnp.zeros((num_tokens, num_groups), bool).at[
-      jnp.arange(num_tokens)[:, None], best_groups_Tg].set(True)
-  return jnp.where(keep_TG[:, :, None], select_TGe, -jnp.inf).reshape(num_tokens, num_experts)
+  select_TUe = select_TE.reshape(num_tokens, num_groups, num_experts // num_groups)
+  group_score_TU = jnp.sum(jax.lax.top_k(select_TUe, 2)[0], axis=-1)
+  _, best_groups_Tu = jax.lax.top_k(group_score_TU, topk_groups)
+  keep_TU = jnp.zeros((num_tokens, num_groups), bool).at[
+      jnp.arange(num_tokens)[:, None], best_groups_Tu].set(True)
+  return jnp.where(keep_TU[:, :, None], select_TUe, -jnp.inf).reshape(num_tokens, num_experts)
 
 
 def balance_loss(probs_TE: jax.Array, expert_ids_TK: jax.Array, num_groups: int) -> jax.Array:
@@ -56,11 +56,11 @@ def balance_loss(probs_TE: jax.Array, expert_ids_TK: jax.Array, num_groups: int)
   top_k = expert_ids_TK.shape[1]
   per_group = num_tokens // num_groups
   group_T = jnp.arange(num_tokens) // per_group
-  counts_GE = jnp.zeros((num_groups, num_experts), jnp.float32).at[
+  counts_QE = jnp.zeros((num_groups, num_experts), jnp.float32).at[
       group_T[:, None], expert_ids_TK].add(1.0)
-  f_GE = jax.lax.stop_gradient(counts_GE / (per_group * top_k))
-  p_GE = probs_TE.reshape(num_groups, per_group, num_experts).mean(axis=1)
-  return num_experts * jnp.mean(jnp.sum(f_GE * p_GE, axis=-1))
+  f_QE = jax.lax.stop_gradient(counts_QE / (per_group * top_k))
+  p_QE = probs_TE.reshape(num_groups, per_group, num_experts).mean(axis=1)
+  return num_experts * jnp.mean(jnp.sum(f_QE * p_QE, axis=-1))
 
 
 def route(logits_TE: jax.Array, cfg: RouterConfig, top_k: int, *,

@@ -11,21 +11,19 @@ from __future__ import annotations
 from flax import nnx
 
 from jmoe.config import Config
-from jmoe.train.state import model_factory
-
-EXPERT_WEIGHTS = ("w_in_ED2F", "w_out_EFD")
-NOT_GEMMS = ("table", "scale", "expert_bias_E", "sinks_H")  # lookups, norms, selection biases
+from jmoe.model.factory import model_factory
+from jmoe.ops.params import is_expert_weight, kind_of
 
 
 def active_gemm_params(config: Config) -> int:
-  """Parameters of the GEMMs one token passes through (experts: only the k it chooses)."""
+  """Parameters of the GEMMs one token passes through (experts: only the k it chooses), read
+  from each parameter's kind (jmoe/ops/params.py)."""
   state = nnx.state(nnx.eval_shape(model_factory(config)), nnx.Param)
   total = 0
-  for path, leaf in nnx.to_flat_state(state):
-    name = str(path[-1])
-    if name in NOT_GEMMS or name.startswith("b_"):
+  for _, leaf in nnx.to_flat_state(state):
+    if kind_of(leaf) != "gemm":
       continue
-    if name in EXPERT_WEIGHTS:
+    if is_expert_weight(leaf):
       total += leaf.size // config.moe.num_experts * config.moe.top_k
     else:
       total += leaf.size
@@ -43,9 +41,7 @@ def attention_flops_per_token(config: Config, seq_len: int) -> float:
   total = 0.0
   for layer in range(m.num_layers + m.mtp_depth):
     keys = seq_len / 2
-    windowed = m.sliding_window and not (
-        m.full_attention_every and layer % m.full_attention_every == m.full_attention_every - 1)
-    if windowed and m.sliding_window < seq_len:
+    if m.windowed(layer) and m.sliding_window < seq_len:
       keys = m.sliding_window * (1 - m.sliding_window / (2 * seq_len))
     total += 3 * 2 * keys * width
   return total

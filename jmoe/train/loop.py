@@ -14,13 +14,17 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
+from jmoe.checkpoint.hf_families import check_family
+from jmoe.checkpoint.params import read_variables
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
-from jmoe.model.fp8 import Fp8History
+from jmoe.errors import Interrupted
+from jmoe.inference.score import score
+from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import make_optimizer
-from jmoe.train.preemption import Interrupted, StopSignals
+from jmoe.train.preemption import StopSignals
 from jmoe.train.state import StateSpec, TrainState, state_spec
 from jmoe.train.step import compile_train_step, make_eval_step
 
@@ -28,7 +32,7 @@ log = logging.getLogger("jmoe")
 
 
 def check_batch_fits(config: Config, layout: Layout) -> None:
-  micro = config.train.micro_batch_size or config.train.batch_size
+  micro = config.train.micro_batch
   if micro % layout.data_parallel_size:
     raise ConfigError(
         f"the micro-batch ({micro} sequences: train.micro_batch_size, or train.batch_size when it "
@@ -68,6 +72,7 @@ class Trainer:
     self.config = config
     self.workdir = workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    check_family(config.model.family)
     self.layout = layout = make_layout(config.parallel, devices)
     check_batch_fits(config, layout)
     self._lead = jax.process_index() == 0
@@ -180,7 +185,6 @@ class Trainer:
 
   def score(self, sequences: list[list[int]]) -> list[list[float]]:
     """log p(token i+1 | tokens up to i) under the current model, per sequence."""
-    from jmoe.score import score
     return score(self.model(), self.layout, sequences)
 
   def close(self) -> None:
@@ -216,7 +220,6 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     log.info("resuming from %s at step %d", checkpointer.directory / str(step), step)
     return step, state, data if data.get("streams") else None
   if config.checkpoint.load_params:
-    from jmoe.checkpoint.params import read_variables
     # FP8 amax histories are run state, not model: they start empty, whatever the source had.
     histories, rest = nnx.split_state(spec.abstract.rest, Fp8History, ...)
     history_shardings, rest_shardings = nnx.split_state(spec.shardings.rest, Fp8History, ...)

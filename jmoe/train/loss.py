@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import BalanceConfig
-from jmoe.moe.route import RouterStats
+from jmoe.moe import RouterStats
 
 
 def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
@@ -19,42 +19,42 @@ def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
   return jnp.sum(nll_BS if mask_BS is None else jnp.where(mask_BS, nll_BS, 0.0))
 
 
-def target_masks(tokens_BS1: jax.Array, segment_ids_BS1: jax.Array | None, depth: int
+def target_masks(tokens_BN: jax.Array, segment_ids_BN: jax.Array | None, depth: int
                  ) -> tuple[jax.Array, jax.Array]:
   """Which predictions count: ([B, S] for the next token, [B, depth, S] for MTP module k's token
   k + 2 ahead). A target counts when it lies in the window, is not padding (segment 0), and
   belongs to the same packed document as the input token."""
-  batch, seq = tokens_BS1.shape[0], tokens_BS1.shape[1] - 1
-  if segment_ids_BS1 is None:
-    segment_ids_BS1 = jnp.ones_like(tokens_BS1)
-  inputs_BS = segment_ids_BS1[:, :-1]
+  batch, seq = tokens_BN.shape[0], tokens_BN.shape[1] - 1
+  if segment_ids_BN is None:
+    segment_ids_BN = jnp.ones_like(tokens_BN)
+  inputs_BS = segment_ids_BN[:, :-1]
 
   def same_document(ahead):  # target `ahead` places after each input
-    target_BS = jnp.pad(segment_ids_BS1[:, ahead:], ((0, 0), (0, ahead - 1)))[:, :seq]
+    target_BS = jnp.pad(segment_ids_BN[:, ahead:], ((0, 0), (0, ahead - 1)))[:, :seq]
     return (inputs_BS > 0) & (target_BS == inputs_BS)
 
-  mtp_BKS = (jnp.stack([same_document(k + 2) for k in range(depth)], axis=1) if depth
+  mtp_BLS = (jnp.stack([same_document(k + 2) for k in range(depth)], axis=1) if depth
              else jnp.zeros((batch, 0, seq), bool))
-  return same_document(1), mtp_BKS
+  return same_document(1), mtp_BLS
 
 
-def mtp_loss(mtp_logits_BKSV: jax.Array, tokens_BS1: jax.Array, mask_BKS: jax.Array,
-             count_K: jax.Array, weight: float) -> jax.Array:
+def mtp_loss(mtp_logits_BLSV: jax.Array, tokens_BN: jax.Array, mask_BLS: jax.Array,
+             count_L: jax.Array, weight: float) -> jax.Array:
   """Multi-token prediction: module k (0-based) at position i predicts token i + k + 2 of the
-  window. Each module's summed loss over the positions in `mask_BKS` is divided by `count_K[k]`
+  window. Each module's summed loss over the positions in `mask_BLS` is divided by `count_L[k]`
   (its number of targets in the global batch); the result is `weight` times their mean."""
-  depth, seq = mtp_logits_BKSV.shape[1], mtp_logits_BKSV.shape[2]
+  depth, seq = mtp_logits_BLSV.shape[1], mtp_logits_BLSV.shape[2]
   total = 0.0
   for k in range(depth):
-    targets_BS = jnp.pad(tokens_BS1[:, k + 2:], ((0, 0), (0, k + 1)))[:, :seq]
-    total += cross_entropy_sum(mtp_logits_BKSV[:, k], targets_BS, mask_BKS[:, k]) / count_K[k]
+    targets_BS = jnp.pad(tokens_BN[:, k + 2:], ((0, 0), (0, k + 1)))[:, :seq]
+    total += cross_entropy_sum(mtp_logits_BLSV[:, k], targets_BS, mask_BLS[:, k]) / count_L[k]
   return weight * total / depth
 
 
-def mtp_inputs(tokens_BS1: jax.Array, depth: int) -> jax.Array:
+def mtp_inputs(tokens_BN: jax.Array, depth: int) -> jax.Array:
   """[B, depth, S]: for module k, the tokens k + 1 places ahead of the inputs (zero past the end)."""
-  seq = tokens_BS1.shape[1] - 1
-  return jnp.stack([jnp.pad(tokens_BS1[:, k + 1:], ((0, 0), (0, k)))[:, :seq]
+  seq = tokens_BN.shape[1] - 1
+  return jnp.stack([jnp.pad(tokens_BN[:, k + 1:], ((0, 0), (0, k)))[:, :seq]
                     for k in range(depth)], axis=1)
 
 

@@ -7,6 +7,7 @@ import optax
 from flax import nnx
 
 from jmoe.config import TrainConfig
+from jmoe.ops.params import DECAYED_KINDS, kind_of
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -16,8 +17,9 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  """Weight decay applies to matrices, not to norm scales: each parameter says so in its metadata."""
-  return jax.tree.map(lambda v: v.replace(v.get_metadata().get("weight_decay", True)), params,
+  """Weight decay applies to GEMM weights and embeddings, not to norm scales or biases: each
+  parameter's kind says which it is."""
+  return jax.tree.map(lambda v: v.replace(kind_of(v) in DECAYED_KINDS), params,
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 

@@ -22,16 +22,6 @@ from jax.experimental import multihost_utils
 log = logging.getLogger("jmoe")
 
 
-class Interrupted(Exception):
-  """Training stopped by a signal after saving a checkpoint of `step`."""
-
-  def __init__(self, step: int, signum: int):
-    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; "
-                     f"the checkpoint of step {step} is saved, and the same command resumes it")
-    self.step = step
-    self.signum = signum
-
-
 class StopSignals:
   """Records SIGTERM/SIGINT instead of dying, while installed (see `installed`)."""
 

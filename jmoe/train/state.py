@@ -11,32 +11,16 @@ import optax
 from flax import nnx, struct
 
 from jmoe.config import Config
-from jmoe.model.fp8 import recipe_from_config
-from jmoe.model.transformer import Transformer
+from jmoe.model.factory import model_factory
 from jmoe.parallel import Layout
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 @struct.dataclass
 class TrainState:
   step: jax.Array
   params: nnx.State  # trainable (nnx.Param) variables
-  rest: nnx.State  # every other model variable (none yet; kept so the model split is total)
+  rest: nnx.State  # every other model variable: selection biases, FP8 amax histories
   opt_state: Any
-
-
-def model_factory(config: Config, seed: int | None = None) -> Callable[[], Transformer]:
-  """A zero-argument constructor for the model the config describes."""
-  seed = config.train.seed if seed is None else seed
-
-  def build() -> Transformer:
-    return Transformer(config.model, config.moe, param_dtype=DTYPES[config.precision.params],
-                       dtype=DTYPES[config.precision.compute], remat=config.train.remat,
-                       fp8=recipe_from_config(config.precision),
-                       rngs=nnx.Rngs(params=seed))
-
-  return build
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ import optax
 from flax import nnx
 
 from jmoe.config import Config
-from jmoe.model.fp8 import Fp8History
+from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout
 from jmoe.train.loss import (balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss,
                              target_masks)
@@ -31,21 +31,21 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
   def loss_fn(params, rest, batch, counts, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    tokens_BS1 = batch["tokens"]
-    segments_BS1, positions_BS1 = batch.get("segment_ids"), batch.get("positions")
-    inputs = dict(tokens_BS=tokens_BS1[:, :-1],
-                  positions_BS=None if positions_BS1 is None else positions_BS1[:, :-1],
-                  segment_ids_BS=None if segments_BS1 is None else segments_BS1[:, :-1])
-    lm_mask_BS, mtp_mask_BKS = target_masks(tokens_BS1, segments_BS1, depth)
+    tokens_BN = batch["tokens"]
+    segments_BN, positions_BN = batch.get("segment_ids"), batch.get("positions")
+    inputs = dict(tokens_BS=tokens_BN[:, :-1],
+                  positions_BS=None if positions_BN is None else positions_BN[:, :-1],
+                  segment_ids_BS=None if segments_BN is None else segments_BN[:, :-1])
+    lm_mask_BS, mtp_mask_BLS = target_masks(tokens_BN, segments_BN, depth)
     metrics = {}
     if depth:
-      logits_BSV, mtp_BKSV, stats = model.with_mtp(
-          next_tokens_BKS=mtp_inputs(tokens_BS1, depth), rng=rng, **inputs)
-      metrics["mtp_loss"] = mtp_loss(mtp_BKSV, tokens_BS1, mtp_mask_BKS, counts["mtp"],
+      logits_BSV, mtp_BLSV, stats = model.with_mtp(
+          next_tokens_BLS=mtp_inputs(tokens_BN, depth), rng=rng, **inputs)
+      metrics["mtp_loss"] = mtp_loss(mtp_BLSV, tokens_BN, mtp_mask_BLS, counts["mtp"],
                                      config.train.mtp_loss_weight)
     else:
       logits_BSV, stats = model(rng=rng, **inputs)
-    lm_loss = cross_entropy_sum(logits_BSV, tokens_BS1[:, 1:], lm_mask_BS) / counts["lm"]
+    lm_loss = cross_entropy_sum(logits_BSV, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
@@ -58,10 +58,10 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
 def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
   """The global batch's number of next-token targets and of each MTP module's targets."""
-  lm_BS, mtp_BKS = target_masks(batch["tokens"], batch.get("segment_ids"), depth)
+  lm_BS, mtp_BLS = target_masks(batch["tokens"], batch.get("segment_ids"), depth)
   # At least one, so that an all-padding batch gives a zero loss rather than NaN.
   return {"lm": jnp.maximum(jnp.sum(lm_BS), 1).astype(jnp.float32),
-          "mtp": jnp.maximum(jnp.sum(mtp_BKS, axis=(0, 2)), 1).astype(jnp.float32)}
+          "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
 
 
 def make_train_step(graphdef: nnx.GraphDef, config: Config,
@@ -73,10 +73,9 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     return loss_fn(params, nnx.merge_state(histories, others), *args)
 
   # FP8 delayed scaling: the backward pass hands each amax history's next value out as its
-  # "gradient" (jmoe/model/fp8.py), so the histories are differentiated alongside the parameters.
+  # "gradient" (jmoe/ops/fp8.py), so the histories are differentiated alongside the parameters.
   grad_fn = jax.value_and_grad(split_loss, argnums=(0, 1), has_aux=True)
-  micro = config.train.micro_batch_size or config.train.batch_size
-  num_micro = config.train.batch_size // micro
+  micro, num_micro = config.train.micro_batch, config.train.num_micro_batches
 
   bias_rate = config.moe.balance.bias_update_rate
   step_key = jax.random.key(config.train.seed + 1)  # training noise; distinct from the init key
@@ -112,8 +111,9 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
 
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)
-    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):
+      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
     rest = nnx.merge_state(histories, others)
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
       model = nnx.merge(graphdef, params, rest)

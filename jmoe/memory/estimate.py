@@ -1,8 +1,8 @@
 """Per-device memory of a training step, estimated before anything is compiled.
 
 The train step (the one `jmoe.train` compiles) is traced, not compiled, on the config's layout, and
-its jaxpr walked as XLA's buffer assignment would see it (jmoe/train/memory_walk.py says what the
-walk assumes): the most bytes ever live at once, plus the state, is the step's peak. The bytes
+its jaxpr walked as XLA's buffer assignment would see it (jmoe/memory/walk.py says what the walk
+assumes): the most bytes ever live at once, plus the state, is the step's peak. The bytes
 live there are put in categories by where they come from: parameters, optimizer state, gradients,
 weight copies (weights cast or laid out anew), activations, dispatch buffers (the MoE layer's
 exchange of tokens), the optimizer's update, the batch; values offloaded to host memory are
@@ -19,9 +19,10 @@ import jax
 import numpy as np
 
 from jmoe.config import Config
-from jmoe.model.attention import traced_as_on_gpu
+from jmoe.memory.flat import flatten, is_literal
+from jmoe.memory.gpu import as_on_gpu, gpu_kernels_replaced
+from jmoe.memory.walk import Value, Walker, divisor, nbytes
 from jmoe.parallel import Layout
-from jmoe.train.memory_walk import Value, Walker, divisor, flatten, is_literal, nbytes
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.state import state_spec
 from jmoe.train.step import compile_train_step, make_train_step
@@ -69,13 +70,13 @@ def _step_inputs(config: Config, layout: Layout):
 def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> MemoryEstimate:
   """Traces the config's train step on `layout` and walks it. `platform`: the one to estimate for
   (default: this one). For "gpu", attention is cuDNN's fused kernel and the grouped GEMM is
-  XLA's (tokamax's kernels hold the same buffers), on whatever platform the trace runs."""
+  XLA's, through the stand-ins of jmoe/memory/gpu.py, on whatever platform the trace runs."""
   platform = platform or jax.default_backend()
-  if platform == "gpu" and config.moe.gemm in ("auto", "tokamax"):
-    config = dataclasses.replace(config, moe=dataclasses.replace(config.moe, gemm="ragged_dot"))
+  if platform == "gpu":
+    config = as_on_gpu(config)
   optimizer, spec, batch = _step_inputs(config, layout)
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
-  with layout.active(), (traced_as_on_gpu() if platform == "gpu" else contextlib.nullcontext()):
+  with layout.active(), (gpu_kernels_replaced() if platform == "gpu" else contextlib.nullcontext()):
     jaxpr = flatten(jax.make_jaxpr(step)(spec.abstract, batch).jaxpr)
 
   mesh = layout.mesh.shape

@@ -1,15 +1,15 @@
-"""How a traced program holds memory: the walk behind jmoe.train.memory.
+"""How a traced program holds memory: the walk behind jmoe.memory.estimate.
 
-A jaxpr, its calls inlined (`flatten`), is run over its buffers in program order as XLA's buffer
-assignment would see it (`Walker`): a value that must exist in memory is allocated by the op that
-makes it and freed after its last use. What the walk assumes of XLA:
+A jaxpr, its calls inlined (`flatten`, flat.py), is run over its buffers in program order as
+XLA's buffer assignment would see it (`Walker`): a value that must exist in memory is allocated
+by the op that makes it and freed after its last use. What the walk assumes of XLA:
 
 - elementwise ops, broadcasts and converts fuse into the ops that read them when those can take
   them (elementwise ops, reductions), so their results are not stored; operands of GEMMs, sorts,
   gathers, scatters, collectives and loops are; reshapes and sharding constraints are their
   operand's buffer; values made from constants alone are folded;
-- a fused kernel (cuDNN attention; what runs under the `fused_attention` name scope) keeps only
-  the values that leave it;
+- a fused kernel (cuDNN attention; what runs under the `fused_attention` name scope, gpu.py)
+  keeps only the values that leave it;
 - a loop allocates its stacked outputs before its first step and each step writes its slice in
   place; stacked weights its grouped GEMMs read transposed get one transposed copy of the stack;
 - per device, a value takes its global bytes over the number of devices it is split across: known
@@ -18,7 +18,8 @@ makes it and freed after its last use. What the walk assumes of XLA:
   placed like the weights);
 - on CPUs, XLA's ragged dot is one dense product per group and 16-bit products run in float32.
 
-Each stored value gets a category by where it comes from (jmoe.train.memory.CATEGORIES).
+Each stored value gets a category (jmoe.memory.estimate.CATEGORIES): from the named scope it is
+made under (flat.py), or as a gradient or weight copy by its shape and dtype.
 """
 
 from __future__ import annotations
@@ -28,34 +29,9 @@ import math
 from typing import Any
 
 import numpy as np
-from jax.extend.core import Literal
 
-from jmoe.model.attention import FUSED_SCOPE
-
-_ELEMENTWISE = {
-    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt", "ceil",
-    "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq", "erf", "erf_inv",
-    "erfc", "exp", "exp2", "expm1", "floor", "ge", "gt", "imag", "integer_pow", "is_finite", "le",
-    "lgamma", "digamma", "log", "log1p", "logistic", "lt", "max", "min", "mul", "ne", "neg",
-    "nextafter", "not", "or", "pow", "real", "reduce_precision", "rem", "round", "rsqrt",
-    "select_n", "shift_left", "shift_right_arithmetic", "shift_right_logical", "sign", "sin",
-    "sinh", "sqrt", "square", "stop_gradient", "sub", "tan", "tanh", "xor", "one_minus_square",
-    "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "iota", "transpose", "pvary",
-    "pcast", "bitcast_convert_type", "optimization_barrier", "add_any",
-}
-# Ops whose result is their operand's buffer, seen anew (a layout constraint, a reshape).
-_ALIASES = {"sharding_constraint", "reshape", "squeeze", "expand_dims", "pvary", "pcast",
-            "optimization_barrier"}
-# Ops that take fused elementwise producers as their inputs.
-_FUSING_CONSUMERS = _ELEMENTWISE | {
-    "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-    "argmax", "argmin", "slice", "dynamic_slice", "concatenate", "pad", "cumsum", "cumlogsumexp",
-    "cummax", "cumprod",
-}
-_DISPATCH_FILES = ("jmoe/moe/exchange.py", "jmoe/moe/dispatch.py", "jmoe/moe/capacity.py",
-                   "jmoe/moe/combine.py")
-_OPTIMIZER_FILES = ("optax/", "jmoe/train/optimizer.py")
-
+from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, Eqn, Flat, Where, flatten,
+                              is_literal, values)
 
 def divisor(spec, mesh_shape) -> int:
   d = 1
@@ -95,128 +71,35 @@ class _Walk:
   backward: bool = False  # whether the peak is in the backward pass
 
 
-def _source(eqn) -> str:
-  """The jmoe (or optax) line that made `eqn`, e.g. "jmoe/moe/experts.py:34"; else its op."""
-  frames = getattr(getattr(eqn.source_info, "traceback", None), "frames", None) or ()
-  for frame in frames:
-    path = frame.file_name.replace("\\", "/")
-    if path.endswith(("jmoe/train/step.py", "jmoe/train/memory.py")):
-      continue  # the step's driver, not where a value comes from
-    for root in ("/jmoe/", "/optax/"):
-      if root in path:
-        return f"{path[path.rfind(root) + 1:]}:{frame.line_num}"
-  return eqn.primitive.name
-
-
-# Kernels whose jaxpr describes one program instance, not memory: only their outputs count.
-_KERNELS = ("pallas_call", "triton_kernel_call", "mosaic_gpu_call")
-# Walked as what they are; every other call (jit, custom derivatives, checkpoint) is inlined,
-# as XLA inlines it, so that fusion sees across it.
-_STRUCTURED = ("scan", "while", "cond", "shard_map")
-
-
-class _Var:
-  """A value of the flattened program (a jaxpr Var can appear in several inlined copies)."""
-  __slots__ = ("aval",)
-
-  def __init__(self, aval):
-    self.aval = aval
-
-
-@dataclasses.dataclass
-class _Eqn:
-  name: str
-  params: dict
-  invars: list  # _Var or Literal
-  outvars: list[_Var]
-  source: str
-  fused: bool  # inside a fused kernel
-  backward: bool  # part of the backward pass
-  subs: list  # the jaxprs of a structured op
-
-
-@dataclasses.dataclass
-class _Flat:
-  invars: list[_Var]
-  outvars: list  # _Var or Literal
-  eqns: list[_Eqn]
-
-
-def _sub_jaxprs(eqn) -> list:
-  if eqn.primitive.name in _KERNELS:
-    return []
-  found = []
-  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "body_jaxpr", "cond_jaxpr", "branches"):
-    value = eqn.params.get(key)
-    if value is None:
-      continue
-    for item in (value if isinstance(value, (tuple, list)) else (value,)):
-      found.append(getattr(item, "jaxpr", item))
-  return found
-
-
-def flatten(jaxpr, fused: bool = False, backward: bool = False) -> _Flat:
-  """`jaxpr` with its calls inlined, over fresh values."""
-  invars = [_Var(v.aval) for v in jaxpr.invars]
-  eqns: list[_Eqn] = []
-  outvars = _inline(jaxpr, invars, fused, backward, eqns)
-  return _Flat(invars, outvars, eqns)
-
-
-def _inline(jaxpr, args: list, fused: bool, backward: bool, eqns: list[_Eqn]) -> list:
-  names = dict(zip(jaxpr.invars, args))
-  names.update((v, _Var(v.aval)) for v in jaxpr.constvars)
-  name = lambda v: v if is_literal(v) else names[v]
-  for eqn in jaxpr.eqns:
-    stack = str(eqn.source_info.name_stack)
-    in_fused, in_backward = fused or FUSED_SCOPE in stack, backward or "transpose(" in stack
-    ins = [name(v) for v in eqn.invars]
-    subs = _sub_jaxprs(eqn)
-    if eqn.primitive.name not in _STRUCTURED and len(subs) == 1:
-      sub = subs[0]
-      outs = _inline(sub, ins[len(ins) - len(sub.invars):], in_fused, in_backward, eqns)
-      names.update(zip(eqn.outvars, outs))
-      continue
-    outs = [_Var(v.aval) for v in eqn.outvars]
-    names.update(zip(eqn.outvars, outs))
-    eqns.append(_Eqn(eqn.primitive.name, eqn.params, ins, outs, _source(eqn), in_fused,
-                     in_backward, subs))
-  return [name(v) for v in jaxpr.outvars]
-
-
-def _values(vs) -> list:
-  return [v for v in vs if not is_literal(v)]
-
-
-def _uses(jaxpr: _Flat) -> dict[Any, list[int]]:
+def _uses(jaxpr: Flat) -> dict[Any, list[int]]:
   """Each value's consumers, by equation index."""
   uses: dict[Any, list[int]] = {}
   for i, eqn in enumerate(jaxpr.eqns):
-    for v in _values(eqn.invars):
+    for v in values(eqn.invars):
       uses.setdefault(v, []).append(i)
   return uses
 
 
-def _written_in_place(jaxpr: _Flat, in_place, uses: dict) -> set:
+def _written_in_place(jaxpr: Flat, in_place, uses: dict) -> set:
   """The values written straight into donated or loop buffers: the outputs said so, and what
   only elementwise ops (reshapes, converts) lie between them and such an output."""
   in_place = set(in_place)
   for eqn in reversed(jaxpr.eqns):
-    if eqn.name in _ELEMENTWISE and len(eqn.outvars) == 1 and eqn.outvars[0] in in_place:
-      in_place.update(v for v in _values(eqn.invars) if len(uses.get(v, [])) == 1)
+    if eqn.name in ELEMENTWISE and len(eqn.outvars) == 1 and eqn.outvars[0] in in_place:
+      in_place.update(v for v in values(eqn.invars) if len(uses.get(v, [])) == 1)
   return in_place
 
 
-def _storage(jaxpr: _Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict[Any, int]]:
+def _storage(jaxpr: Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict[Any, int]]:
   """Which outputs get a buffer of their own, and each value's last use: its last consumer or,
   when that consumer fuses into later ones, theirs (a fused op reads its inputs when the kernel
   it joins runs)."""
-  eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
+  eqns, outvars = jaxpr.eqns, set(values(jaxpr.outvars))
   made = set(jaxpr.invars)  # values with a buffer of their own so far
 
   def stored(i: int, v) -> bool:
     eqn = eqns[i]
-    if eqn.name in _ALIASES:  # its operand's buffer, unless an output that buffer is not
+    if eqn.name in ALIASES:  # its operand's buffer, unless an output that buffer is not
       return v in outvars and not (eqn.invars and eqn.invars[0] in made)
     if v in outvars:
       return True
@@ -225,9 +108,9 @@ def _storage(jaxpr: _Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dic
     users = uses.get(v, [])
     if eqn.fused:  # inside a fused kernel only what leaves it is stored
       return any(not eqns[j].fused for j in users)
-    if eqn.name not in _ELEMENTWISE:
+    if eqn.name not in ELEMENTWISE:
       return True
-    return any(eqns[j].name not in _FUSING_CONSUMERS for j in users)
+    return any(eqns[j].name not in FUSING_CONSUMERS for j in users)
 
   kept = []
   for i, eqn in enumerate(eqns):
@@ -236,12 +119,12 @@ def _storage(jaxpr: _Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dic
   last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
   for i in reversed(range(len(eqns))):
     until = i if any(kept[i]) else max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
-    for v in _values(eqns[i].invars):
+    for v in values(eqns[i].invars):
       last_use[v] = max(last_use.get(v, -1), until)
   return kept, last_use
 
 
-def _live(jaxpr: _Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
+def _live(jaxpr: Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
   """Runs the program over its buffers: the most bytes live at once, what they are, and where."""
   dies_after: dict[int, list] = {}
   for v, i in last_use.items():
@@ -293,7 +176,7 @@ class Walker:
     self.num_devices = math.prod(mesh_shape.values())
     self.weights = weights
 
-  def walk(self, jaxpr: _Flat, env: dict, *, in_place=frozenset(), local: bool = False,
+  def walk(self, jaxpr: Flat, env: dict, *, in_place=frozenset(), local: bool = False,
            outer_split: int = 1) -> _Walk:
     """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
     shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
@@ -308,12 +191,12 @@ class Walker:
         env[v].bytes = nbytes(v.aval, env[v].d or fallback) if kept and v not in in_place else 0
     return _live(jaxpr, env, inners, last_use)
 
-  def _place(self, jaxpr: _Flat, env: dict, uses: dict, in_place: set, local: bool,
+  def _place(self, jaxpr: Flat, env: dict, uses: dict, in_place: set, local: bool,
              fallback: int) -> list[_Walk]:
     """Puts each equation's outputs in `env` (split, category) and returns what each needs
     inside. A value nothing places takes the split of what it feeds, as XLA's sharding
     propagation goes both ways; failing that, the split of this jaxpr's inputs."""
-    eqns, outvars = jaxpr.eqns, set(_values(jaxpr.outvars))
+    eqns, outvars = jaxpr.eqns, set(values(jaxpr.outvars))
     inners = []
     for eqn in eqns:
       outs, inner = self._eqn(eqn, [None if is_literal(v) else env.get(v) for v in eqn.invars],
@@ -340,7 +223,7 @@ class Walker:
     return inners
 
   # -- one equation: its outputs' placement and kind, and what it needs inside
-  def _eqn(self, eqn: _Eqn, ins: list[Value | None], local: bool, split: int,
+  def _eqn(self, eqn: Eqn, ins: list[Value | None], local: bool, split: int,
            out_in_place: list[bool]):
     name = eqn.name
     empty = _Walk(0, {}, 0, "", [])
@@ -352,7 +235,7 @@ class Walker:
     if subs:  # while, cond: the largest of the bodies or branches
       results = []
       for sub in subs:
-        flat = flatten(sub, backward=eqn.backward)
+        flat = flatten(sub, Where(backward=eqn.backward, kind=eqn.where.kind))
         sub_env = {v: (value or Value(0, None, "activations"))
                    for v, value in zip(flat.invars[-len(ins):] if ins else [], ins)}
         results.append(self.walk(flat, sub_env, local=local,
@@ -411,13 +294,8 @@ class Walker:
     return "gradients" if np.dtype(aval.dtype) == np.dtype(self.weights[shape][1]) \
         else "weight copies"
 
-  def _kind(self, eqn: _Eqn) -> str:
-    source = eqn.source
-    if source.startswith(_DISPATCH_FILES):
-      return "dispatch buffers"
-    if source.startswith(_OPTIMIZER_FILES):
-      return "optimizer update"
-    return "activations"
+  def _kind(self, eqn: Eqn) -> str:
+    return eqn.where.kind or "activations"
 
   def _out_divisor(self, eqn, v, ins, local: bool) -> int:
     if local:
@@ -440,8 +318,8 @@ class Walker:
       return max(same)
     return min(self.num_devices, max(d for _, d in known)) if known else None
 
-  def _shard_map(self, eqn: _Eqn, ins, out_in_place: list[bool]):
-    body = flatten(eqn.subs[0], backward=eqn.backward)
+  def _shard_map(self, eqn: Eqn, ins, out_in_place: list[bool]):
+    body = flatten(eqn.subs[0], Where(backward=eqn.backward, kind=eqn.where.kind))
     # Inside, every value is one device's: its shape is what it takes.
     env = {v: Value(0, 1, value.kind if value else "activations")
            for v, value in zip(body.invars, ins)}
@@ -456,8 +334,8 @@ class Walker:
       outs.append(Value(0, d, kind, const=value.const))
     return outs, inner
 
-  def _scan(self, eqn: _Eqn, ins, local: bool, split: int):
-    body = flatten(eqn.subs[0], backward=eqn.backward)
+  def _scan(self, eqn: Eqn, ins, local: bool, split: int):
+    body = flatten(eqn.subs[0], Where(backward=eqn.backward, kind=eqn.where.kind))
     env = {v: value or Value(0, None, "activations") for v, value in zip(body.invars, ins)}
     # Each step's stacked outputs are written straight into the loop's output buffers.
     length = eqn.params["length"]
@@ -472,16 +350,16 @@ class Walker:
                                            inner.at_peak.get("weight copies", 0) + hoisted})
     return [Value(0, value.d, value.kind) for value in inner.outs], inner
 
-  def _transposed_stacks(self, body: _Flat, ins, length: int, local: bool, split: int) -> int:
+  def _transposed_stacks(self, body: Flat, ins, length: int, local: bool, split: int) -> int:
     """Bytes of the stacked operands (a stack of layers' weights) that the loop reads in another
     layout: XLA lays such an operand out as its products want it, one transposed copy of the
     whole stack made before the loop."""
     copied = set()
 
-    def visit(flat: _Flat, origin: dict) -> None:  # origin: value -> index of the loop input
+    def visit(flat: Flat, origin: dict) -> None:  # origin: value -> index of the loop input
       for eqn in flat.eqns:
         known = lambda v: not is_literal(v) and v in origin
-        if eqn.name in _ALIASES and eqn.invars and known(eqn.invars[0]):
+        if eqn.name in ALIASES and eqn.invars and known(eqn.invars[0]):
           origin[eqn.outvars[0]] = origin[eqn.invars[0]]
         if eqn.name == "shard_map":  # the stack's slice, and reshapes of it, in and out
           inner = flatten(eqn.subs[0])
@@ -504,8 +382,3 @@ class Walker:
               and ins[k].kind in ("parameters", "gradients", "weight copies")}
     return sum(length * nbytes(body.invars[k].aval, 1 if local else (ins[k].d or split))
                for k in copied)
-
-
-def is_literal(v) -> bool:
-  return isinstance(v, Literal)
-

@@ -1,0 +1,31 @@
+"""The errors a command turns into a message and an exit code, and the registry lookup that raises
+one. Every package may import this module; it imports nothing of jmoe's."""
+
+from __future__ import annotations
+
+import signal
+from typing import Mapping, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+  """A config value (or data, checkpoint, directory) that cannot work; the message says which key
+  or file and what to do."""
+
+
+class Interrupted(Exception):
+  """Training stopped by a signal after saving a checkpoint of `step`."""
+
+  def __init__(self, step: int, signum: int):
+    super().__init__(f"stopped by {signal.Signals(signum).name} after step {step}; "
+                     f"the checkpoint of step {step} is saved, and the same command resumes it")
+    self.step = step
+    self.signum = signum
+
+
+def choice(key: str, name: str, registry: Mapping[str, T]) -> T:
+  """`registry[name]`, or a ConfigError naming the config `key` and the names it may take."""
+  if name not in registry:
+    raise ConfigError(f"{key} must be one of {list(registry)}, got {name!r}")
+  return registry[name]

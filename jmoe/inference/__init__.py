@@ -1,0 +1,1 @@
+"""Running a trained model: per-token log-probabilities of given sequences (score.py)."""

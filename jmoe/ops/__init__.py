@@ -1,0 +1,13 @@
+"""The primitives the model and the MoE layer stand on; this package imports neither.
+
+  params.py        parameters with logical axes and a kind (what FLOPs and weight decay read)
+  grouped_gemm.py  grouped GEMM backends behind one signature, and the batched GEMM
+  fp8.py           float8 quantization and the dense FP8 GEMM (delayed or current scaling)
+  fp8_grouped.py   FP8 grouped and batched expert GEMMs (row-wise scales)
+  attention.py     attention kernels (cuDNN, XLA)
+  activations.py   gated activations of the expert FFNs
+  remat.py         rematerialisation policies by checkpoint name
+  rows.py          row moves: groups of sorted rows, gathers with gather gradients, `run_if`
+Each registry here (`GEMM_BACKENDS`, `ATTENTION_KERNELS`, `GATED_ACTIVATIONS`, `REMAT_POLICIES`)
+is the one list of names its config key may take: config validation reads it.
+"""

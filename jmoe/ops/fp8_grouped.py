@@ -1,0 +1,133 @@
+"""FP8 expert GEMMs: grouped (over expert-sorted rows) and batched (over per-expert blocks).
+
+Expert GEMMs always scale from current values, and finer than per tensor where it is free (all
+scales are local to a device, so no collective is needed inside the expert-parallel region): each
+row (token) of the input has its own scale and each expert's weight one; the gradient GEMMs rescale
+likewise. Shapes are written for the up projection (D in, F out); the down projection swaps them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
+from jmoe.ops.rows import row_groups, take_rows
+
+# (x_XD, w_EDF, group_sizes_E) -> y_XF, and (x_XD, y_XF, group_sizes_E) -> sum over each group's
+# rows of x^T y, [E, D, F]; both take float8 operands and return bfloat16.
+RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedKernels:
+  """A backend's float8 kernels: the forward grouped GEMM and the weight gradient's contraction."""
+  dot: RaggedDot
+  contract: RaggedDot
+
+
+def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2"):
+  """A grouped GEMM (x_XD, w_EDF, group_sizes_E) -> y_XF in FP8 with row-wise scaling.
+
+  Forward: x with one scale per row, w one per expert; y = (x_q . w_q) * s_x[row] * s_w[e].
+  Input gradient: dy per row, times the same quantized weight (transposed). Weight gradient:
+  dw[e] = sum_r x[r]^T dy[r] = sum_r x_q[r]^T (dy[r] * s_x[r]), so the forward's row-quantized x is
+  reused and its row scales fold into dy, which is then quantized with one scale.
+  """
+  grad_dtype = FORMATS[grad_format]
+
+  @jax.custom_vjp
+  def gemm(x_XD, w_EDF, group_sizes_E):
+    return fwd(x_XD, w_EDF, group_sizes_E)[0]
+
+  def fwd(x_XD, w_EDF, group_sizes_E):
+    scale_X1 = scale_for(amax(x_XD, axis=1, keepdims=True), E4M3)
+    scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
+    x_q, w_q = quantize(x_XD, scale_X1, E4M3), quantize(w_EDF, scale_E11, E4M3)
+    y_XF = kernels.dot(x_q, w_q, group_sizes_E)
+    expert_X = row_groups(group_sizes_E, x_XD.shape[0])
+    y_XF = y_XF.astype(jnp.float32) * scale_X1 * take_rows(scale_E11[:, 0], expert_X)
+    # Rows past the groups are zeros (a kernel may leave them unwritten).
+    y_XF = jnp.where((expert_X < w_EDF.shape[0])[:, None], y_XF, 0)
+    return y_XF.astype(x_XD.dtype), (x_q, scale_X1, w_q, scale_E11, group_sizes_E,
+                                     jnp.zeros((), w_EDF.dtype))
+
+  def bwd(residuals, dy_XF):
+    x_q, scale_X1, w_q, scale_E11, group_sizes_E, w_zero = residuals
+    expert_X = row_groups(group_sizes_E, x_q.shape[0])
+    in_groups_X1 = (expert_X < w_q.shape[0])[:, None]
+    dy_XF = jnp.where(in_groups_X1, dy_XF, 0)
+    scale_dy_X1 = scale_for(amax(dy_XF, axis=1, keepdims=True), grad_dtype)
+    dx_XD = kernels.dot(quantize(dy_XF, scale_dy_X1, grad_dtype), jnp.swapaxes(w_q, 1, 2),
+                        group_sizes_E)
+    dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], expert_X)
+    dx_XD = jnp.where(in_groups_X1, dx_XD, 0)
+    folded_XF = dy_XF.astype(jnp.float32) * scale_X1
+    scale_folded = scale_for(amax(folded_XF), grad_dtype)
+    dw_EDF = kernels.contract(x_q, quantize(folded_XF, scale_folded, grad_dtype), group_sizes_E)
+    dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded
+    dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
+    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_zero.dtype), None
+
+  gemm.defvjp(fwd, bwd)
+
+  def grouped(x_XD, w_EDF, group_sizes_E):
+    return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E)
+
+  return grouped
+
+
+def _varying_like(w, x):
+  """Inside shard_map: `w` made to vary over the axes `x` varies over, before a custom VJP, so that
+  autodiff reduces w's gradient (a sum over this device's rows) over those axes."""
+  extra = tuple(sorted(jax.typeof(x).manual_axis_type.varying
+                       - jax.typeof(w).manual_axis_type.varying))
+  return jax.lax.pcast(w, extra, to="varying") if extra else w
+
+
+def batched_fp8(grad_format: str = "e5m2"):
+  """Per-expert blocks (x_ECD, w_EDF) -> y_ECF in FP8 through XLA's batched GEMM (cuBLASLt).
+
+  Scales: x per row (slot), w per expert; dy per row for the input gradient; for the weight
+  gradient the row scales of x fold into dy, which gets one scale per expert. The forward hands
+  the weight over as [E, F, D] (both operands major in the contracted axis), the layout
+  cuBLASLt's FP8 GEMM takes without a copy.
+  """
+  grad_dtype = FORMATS[grad_format]
+
+  @jax.custom_vjp
+  def gemm(x_ECD, w_EDF):
+    return fwd(x_ECD, w_EDF)[0]
+
+  def fwd(x_ECD, w_EDF):
+    scale_EC1 = scale_for(amax(x_ECD, axis=2, keepdims=True), E4M3)
+    scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
+    x_q, w_q = quantize(x_ECD, scale_EC1, E4M3), quantize(w_EDF, scale_E11, E4M3)
+    y_ECF = _contract_batched(x_q, jnp.swapaxes(w_q, 1, 2), 2, 2, x_ECD.dtype)
+    y_ECF = (y_ECF.astype(jnp.float32) * scale_EC1 * scale_E11).astype(x_ECD.dtype)
+    return y_ECF, (x_q, scale_EC1, w_q, scale_E11, jnp.zeros((), w_EDF.dtype))
+
+  def bwd(residuals, dy_ECF):
+    x_q, scale_EC1, w_q, scale_E11, w_zero = residuals
+    scale_dy_EC1 = scale_for(amax(dy_ECF, axis=2, keepdims=True), grad_dtype)
+    dx_ECD = _contract_batched(quantize(dy_ECF, scale_dy_EC1, grad_dtype), w_q, 2, 2,
+                               dy_ECF.dtype)
+    dx_ECD = dx_ECD.astype(jnp.float32) * scale_dy_EC1 * scale_E11
+    folded_ECF = dy_ECF.astype(jnp.float32) * scale_EC1
+    scale_folded_E11 = scale_for(amax(folded_ECF, axis=(1, 2), keepdims=True), grad_dtype)
+    dw_EDF = _contract_batched(x_q, quantize(folded_ECF, scale_folded_E11, grad_dtype), 1, 1,
+                               dy_ECF.dtype)
+    dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded_E11
+    return dx_ECD.astype(dy_ECF.dtype), dw_EDF.astype(w_zero.dtype)
+
+  gemm.defvjp(fwd, bwd)
+  return lambda x_ECD, w_EDF: gemm(x_ECD, _varying_like(w_EDF, x_ECD))
+
+
+def _contract_batched(a, b, a_axis: int, b_axis: int, out_dtype):
+  """Batched over the leading axis, contracting a's `a_axis` with b's `b_axis`."""
+  return jax.lax.dot_general(a, b, (((a_axis,), (b_axis,)), ((0,), (0,))),
+                             preferred_element_type=out_dtype)

@@ -1,0 +1,80 @@
+"""Row moves: which group each sorted row belongs to, one-to-one row gathers whose gradients are
+gathers, and a conditional whose skipped branch costs nothing in either pass."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+
+def row_groups(group_sizes_E: jax.Array, num_rows: int) -> jax.Array:
+  """Each row's group, for rows sorted by group; rows past the groups get E (no group).
+
+  Counts the group ends at or before each row: a scatter and a cumulative sum (a binary search
+  would be a while loop, which XLA's SPMD partitioner mishandles inside shard_map under FSDP).
+  """
+  ends_E = jnp.cumsum(group_sizes_E)
+  marks_X = jnp.zeros((num_rows,), jnp.int32).at[ends_E].add(1, mode="drop")
+  return jnp.cumsum(marks_X)
+
+
+def members(group_sizes_E: jax.Array, num_rows: int) -> jax.Array:
+  """[X, E]: whether row x belongs to group e, for rows sorted by group."""
+  ends_E = jnp.cumsum(group_sizes_E)
+  rows_X1 = jnp.arange(num_rows)[:, None]
+  return (rows_X1 >= ends_E - group_sizes_E) & (rows_X1 < ends_E)
+
+
+def take_rows(a_E: jax.Array, group_X: jax.Array) -> jax.Array:
+  """Each row's entry of a per-group array; rows in no group get zeros."""
+  return jnp.take(a_E, group_X, axis=0, mode="fill", fill_value=0)
+
+
+@jax.custom_vjp
+def move_rows(x: jax.Array, source: jax.Array, inverse: jax.Array) -> jax.Array:
+  """Rows x[source[s]] (zeros where source[s] is out of range), for a one-to-one `source` whose
+  inverse is `inverse` (row r went to slot inverse[r], out of range if nowhere). Its gradient is
+  the gather by `inverse`: no scatter-add, which is slow on GPUs."""
+  return jnp.take(x, source, axis=0, mode="fill", fill_value=0)
+
+
+def _move_rows_fwd(x, source, inverse):
+  return move_rows(x, source, inverse), (source, inverse)
+
+
+def _move_rows_bwd(residuals, dy):
+  source, inverse = residuals
+  return jnp.take(dy, inverse, axis=0, mode="fill", fill_value=0), None, None
+
+
+move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+def run_if(pred: jax.Array, fn: Callable, x, differentiable, constant):
+  """fn(x, differentiable, constant) when `pred`, else zeros like x, for fn returning an array
+  shaped like x; `constant` (integer arrays) gets no gradient. Every array fn uses must come in
+  through the arguments. Differentiable with only the inputs kept for the backward pass, which
+  also runs only when `pred` (differentiating `lax.cond` directly would fill the skipped
+  branch's residuals with zeros, a copy as large as the work skipped)."""
+
+  @jax.custom_vjp
+  def run(pred, x, differentiable, constant):
+    return jax.lax.cond(pred, fn, lambda x, *_: jnp.zeros_like(x), x, differentiable, constant)
+
+  def run_fwd(pred, x, differentiable, constant):
+    return run(pred, x, differentiable, constant), (pred, x, differentiable, constant)
+
+  def run_bwd(residuals, dy):
+    pred, x, differentiable, constant = residuals
+
+    def grads(x, differentiable):
+      return jax.vjp(lambda x, d: fn(x, d, constant), x, differentiable)[1](dy)
+
+    zeros = lambda x, differentiable: jax.tree.map(jnp.zeros_like, (x, differentiable))
+    dx, dd = jax.lax.cond(pred, grads, zeros, x, differentiable)
+    return None, dx, dd, jax.tree.map(lambda _: None, constant)
+
+  run.defvjp(run_fwd, run_bwd)
+  return run(pred, x, differentiable, constant)
