@@ -24,8 +24,13 @@ class Interrupted(Exception):
     self.signum = signum
 
 
+def not_one_of(key: str, name, allowed) -> str:
+  """The message for a config `key` set to `name`, which is not among `allowed`."""
+  return f"{key} must be one of {list(allowed)}, got {name!r}"
+
+
 def choice(key: str, name: str, registry: Mapping[str, T]) -> T:
   """`registry[name]`, or a ConfigError naming the config `key` and the names it may take."""
   if name not in registry:
-    raise ConfigError(f"{key} must be one of {list(registry)}, got {name!r}")
+    raise ConfigError(not_one_of(key, name, registry))
   return registry[name]

@@ -1,21 +1,30 @@
-"""Training-step speed: one JSON line per run, for docs/PERFORMANCE.md.
+"""Training-step speed: one JSON line per run, for docs/PERFORMANCE.md and docs/perf/records.jsonl.
 
   python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
-      [--balanced] [--no-xla-flags] [--config.group.key=value ...]
+      [--balanced] [--packed] [--profile DIR] [--peer] [--record FILE] [--no-xla-flags]
+      [--config.group.key=value ...]
 
 Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
-published MoE benchmarks use: warm-up steps, then timed steps with one device sync at the end.
-Reports tokens/s and model TFLOP/s per device (Megatron's count: jmoe/train/flops.py), MFU against
-the datasheet's dense bf16 peak (989 TFLOP/s for H100/H200) and against a dense bf16 GEMM measured
-in the same process, the step time and the peak device memory. `--balanced` forces every expert
-to the same load (moe.router.force_balanced), as NeMo AutoModel's published figures do.
+published MoE benchmarks use, or with `--packed` on rows the data pipeline packs from several
+documents (segment ids and positions: attention and loss stay within each document): warm-up
+steps, then timed steps with one device sync at the end. Reports tokens/s and model TFLOP/s per
+device (Megatron's count: jmoe/train/flops.py), MFU against the datasheet's dense bf16 peak (989
+TFLOP/s for H100/H200) and against a dense bf16 GEMM measured in the same process, the step time
+and the peak device memory. `--balanced` forces every expert to the same load
+(moe.router.force_balanced), as NeMo AutoModel's published figures do. `--profile DIR` traces 3
+more steps and adds the device time per kernel kind. `--peer` then runs the transformers step on
+the same config (scripts/hf_peer.py, a separate process, so each gets the GPU alone) and adds its
+figures and the ratio; `--record FILE` appends the result to FILE as one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
+import pathlib
+import subprocess
 import sys
 import time
 
@@ -28,8 +37,23 @@ KERNEL_KINDS = (("attention", ("fmha", "cudnn", "flash", "attention")),
                 ("copy", ("memcpy", "memset", "copy")))
 
 
-def kernel_breakdown(trace_dir: str) -> dict:
-  """Device time per kernel kind (and the 12 longest kernels) from a profiler trace."""
+def kernel_sources(hlo: str) -> dict[str, str]:
+  """XLA kernel name (as a profile shows it, `loop_convert_fusion_5`) -> the JAX op and source
+  line it came from, from the compiled program's metadata."""
+  import re
+  sources = {}
+  for match in re.finditer(r"%([\w.\-]+) = [^\n]*?metadata=\{([^}]*)\}", hlo):
+    meta = dict(re.findall(r'(\w+)="?([^"\s]*)"?', match.group(2)))
+    where = meta.get("op_name", "")[-110:]
+    if "source_file" in meta:
+      where += f" @ {meta['source_file'].split('/jmoe/')[-1]}:{meta.get('source_line', '')}"
+    sources[match.group(1).replace(".", "_").replace("-", "_")] = where
+  return sources
+
+
+def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
+  """Device time per kernel kind, and the 40 longest kernels (with the JAX op each came from,
+  when `hlo` is given), from a profiler trace."""
   import collections
   import glob
   import gzip
@@ -49,9 +73,11 @@ def kernel_breakdown(trace_dir: str) -> dict:
     low = name.lower()
     kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
     kinds[kind] += us
+  sources = kernel_sources(hlo) if hlo else {}
   return {"device_ms": round(total / 1e3, 2),
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
-          "top_kernels": [[n[:90], round(us / total, 4)] for n, us in by_name.most_common(12)]}
+          "top_kernels": [[n[:90], round(us / total, 4), sources.get(n.replace(".", "_"), "")]
+                          for n, us in by_name.most_common(40)]}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
@@ -68,6 +94,69 @@ def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
   return 2 * size**3 * repeats / (time.perf_counter() - t0) / 1e12
 
 
+def packed_batch(config) -> dict:
+  """One global batch of rows the data pipeline packs from the configured documents (by default
+  the Python standard library's sources), with their segment ids and positions."""
+  import dataclasses
+  from jmoe.data import first_batches
+  return first_batches(dataclasses.replace(
+      config, data=dataclasses.replace(config.data, packing="concat")))[0]
+
+
+def commit() -> str:
+  """The checkout's commit (with "+changes" when its tracked files differ), or "" outside git."""
+  root = pathlib.Path(__file__).parents[1]
+  git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True)
+  head = git("rev-parse", "--short", "HEAD")
+  if head.returncode:
+    return ""
+  return head.stdout.strip() + ("+changes" if git("diff", "--quiet", "HEAD").returncode else "")
+
+
+def append_record(path: str, record: dict) -> None:
+  with open(path, "a") as f:
+    f.write(json.dumps(record) + "\n")
+
+
+def last_json(command: list[str]) -> tuple[dict | None, str]:
+  """Runs a command; its last JSON line, and its output's tail when it has none or fails."""
+  result = subprocess.run(command, capture_output=True, text=True)
+  sys.stderr.write(result.stderr[-4000:])
+  lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+  if result.returncode or not lines:
+    return None, (result.stderr or result.stdout)[-800:]
+  return json.loads(lines[-1]), ""
+
+
+def with_peer(argv: list[str], config: str, overrides: list[str], record_path: str | None) -> int:
+  """jmoe's step (this script with `argv`), then the transformers step on the same config, each
+  in a process of its own so that each has the GPU (and JAX its preallocated memory) to itself;
+  their ratio."""
+  record, error = last_json([sys.executable, __file__, *argv])
+  if record is None:
+    print(error, file=sys.stderr)
+    return 1
+  peer, error = last_json([sys.executable, str(pathlib.Path(__file__).with_name("hf_peer.py")),
+                           "--config", config, *overrides])
+  if peer is None:
+    record["peer_error"] = error
+  else:
+    record.update(peer_fields(peer, record["tflops_per_device"]))
+  print(json.dumps(record), flush=True)
+  if record_path:
+    append_record(record_path, record)
+  return 0 if peer is not None else 1
+
+
+def peer_fields(figures: dict, tflops: float) -> dict:
+  return {"peer": figures["peer"], "peer_experts": figures["experts_implementation"],
+          "peer_step_ms": figures["step_ms"],
+          "peer_tokens_per_s_per_device": figures["tokens_per_s_per_device"],
+          "peer_tflops_per_device": figures["tflops_per_device"],
+          "peer_peak_memory_gib": figures["peak_memory_gib"],
+          "vs_peer": round(tflops / figures["tflops_per_device"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True)
@@ -77,9 +166,19 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--no-xla-flags", action="store_true", help="leave XLA_FLAGS as they are")
   parser.add_argument("--profile", metavar="DIR",
                       help="also trace 3 steps into DIR and print the device time per kernel kind")
+  parser.add_argument("--packed", action="store_true",
+                      help="rows packed from several documents by the data pipeline")
+  parser.add_argument("--peer", action="store_true",
+                      help="then time the transformers step on the same config (hf_peer.py)")
+  parser.add_argument("--record", metavar="FILE", help="append the result as a JSON line")
   from jmoe.cli import run, split_overrides
-  rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
+  argv = sys.argv[1:] if argv is None else argv
+  rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
+  if args.peer:  # this process only drives the two measurements
+    child = [a for i, a in enumerate(argv) if a not in ("--peer", "--record")
+             and not (i and argv[i - 1] == "--record") and not a.startswith("--record=")]
+    return with_peer(child, args.config, overrides, args.record)
   if not args.no_xla_flags:
     from jmoe.xla_flags import set_gpu_flags
     set_gpu_flags()
@@ -97,12 +196,17 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, overrides + (
         ["moe.router.force_balanced=true"] if args.balanced else []))
     layout = make_layout(config.parallel)
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(config.train, config.precision.moments)
     spec = state_spec(config, layout, optimizer)
     state = spec.init()
     batch_size, seq = config.train.batch_size, config.data.seq_len
-    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (batch_size, seq + 1))
-    batch = {"tokens": jax.device_put(tokens.astype(np.int32), layout.batch)}
+    if args.packed:
+      batch = packed_batch(config)
+    else:
+      tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
+                                                 (batch_size, seq + 1))
+      batch = {"tokens": tokens.astype(np.int32)}
+    batch = {k: jax.device_put(v, layout.batch) for k, v in batch.items()}
     t0 = time.perf_counter()
     step = compile_train_step(config, layout, spec, optimizer, batch)
     compile_s = time.perf_counter() - t0
@@ -129,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(3):
           state, _ = step(state, batch)
         jax.block_until_ready(state)
-      breakdown = kernel_breakdown(args.profile)
+      breakdown = kernel_breakdown(args.profile, hlo)
     load_LE = np.asarray(metrics["expert_load"])
-    print(json.dumps({
+    record = {
+        "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv),
+        "jmoe_commit": commit(),
         "config": args.config, "overrides": overrides, "devices": devices,
         "device_kind": jax.devices()[0].device_kind, "layers": config.model.num_layers,
         "batch": batch_size, "seq_len": seq, "routing": "balanced" if args.balanced else "real",
+        "documents": "packed" if args.packed else "one per row",
         "gemm": auto_gemm() if config.moe.gemm == "auto" else config.moe.gemm,
         "expert_blocks": config.moe.expert_blocks, "precision": config.precision.gemm,
         "fp8_recipe": config.precision.fp8_recipe if config.precision.gemm == "fp8" else None,
@@ -154,9 +261,12 @@ def main(argv: list[str] | None = None) -> int:
         "first_grad_norm": round(float(first["grad_norm"]), 5) if first else None,
         "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
         if load_LE.size else None,
-        "compile_s": round(compile_s, 1)}))
+        "compile_s": round(compile_s, 1)}
     if breakdown is not None:
-      print(json.dumps({"profile": args.profile, "steps": 3, **breakdown}))
+      record["profile"] = breakdown
+    print(json.dumps(record), flush=True)
+    if args.record:
+      append_record(args.record, record)
     return 0
 
   logging.getLogger("jmoe").setLevel(logging.INFO)

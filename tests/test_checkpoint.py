@@ -119,7 +119,7 @@ def test_resuming_with_another_model_is_refused(reference, tmp_path):
 def test_load_params_starts_fresh_from_another_runs_model(reference, tmp_path):
   config = config_for("tp2_ep4_etp2", f"checkpoint.load_params={reference[0]}")
   layout = make_layout(config.parallel)
-  spec = state_spec(config, layout, make_optimizer(config.train))
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
   empty = Checkpointer(tmp_path, keep=1)
   step, state, data_state = initial_state(config, spec, empty)
   empty.close()
@@ -170,7 +170,8 @@ def test_two_processes_resume_and_save_like_one(reference, tmp_path):
     np.testing.assert_allclose(r["loss"], reference[1][r["step"]], rtol=1e-5)
 
   config = config_for("fsdp8_ep8")
-  spec = state_spec(config, make_layout(config.parallel), make_optimizer(config.train))
+  spec = state_spec(config, make_layout(config.parallel),
+                    make_optimizer(config.train, config.precision.moments))
   mine, ref = restore(workdir, 6, spec), restore(reference[0], 6, spec)
   for a, b in zip(jax.tree.leaves(mine.params), jax.tree.leaves(ref.params)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

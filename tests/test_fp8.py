@@ -16,7 +16,7 @@ from jmoe.ops.fp8 import Fp8Dot, Fp8Recipe, fp8_dot
 from jmoe.ops.fp8_grouped import batched_fp8, grouped_fp8
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
 
-FP8_KERNELS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items() if backend.fp8}
+FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items() if backend.fp8}
 from jmoe.train.loop import train
 from helpers import tiny_config
 
@@ -103,11 +103,11 @@ def reference_grouped(x, w, sizes):
   return y
 
 
-@pytest.mark.parametrize("kernels", sorted(FP8_KERNELS))
+@pytest.mark.parametrize("kernels", sorted(FP8_BACKENDS))
 def test_grouped_fp8_gemm_against_float32_loop(kernels):
   sizes = np.array([5, 0, 9, 3, 7])  # an expert with no rows, and rows past the groups
   x, w, dy = data((30, 32), (5, 32, 24), (30, 24), seed=1)
-  gemm = grouped_fp8(FP8_KERNELS[kernels])
+  gemm = grouped_fp8(FP8_BACKENDS[kernels])
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
   dx, dw = vjp(dy)
   rows = sizes.sum()
@@ -182,7 +182,7 @@ def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load
   from jmoe.train.optimizer import make_optimizer
   from jmoe.train.state import state_spec
   spec = state_spec(whole, make_layout(whole.parallel, jax.devices()[:2]),
-                    make_optimizer(whole.train))
+                    make_optimizer(whole.train, whole.precision.moments))
   state, _ = Checkpointer(tmp_path / "whole" / "checkpoints", 3, async_save=False).restore(
       4, spec.abstract, spec.shardings)
   histories = [np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(state.rest)

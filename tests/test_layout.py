@@ -1,13 +1,24 @@
-"""The package map: jmoe's packages import downward only, in the order jmoe/__init__.py gives,
-counting imports inside functions; no source file is longer than one sitting's reading."""
+"""The package map: jmoe's packages import downward only, in the order jmoe/__init__.py gives
+(a package may import only those before it), counting imports inside functions; no source file
+is longer than one sitting's reading."""
 
 import ast
 import pathlib
 
 JMOE = pathlib.Path(__file__).resolve().parents[1] / "jmoe"
-# Lowest first; a package may import only those before it. Top-level modules count as packages.
-ORDER = ["errors", "cli", "ops", "config", "parallel", "moe", "model", "data", "checkpoint",
-         "inference", "train", "memory", "api", "convert", "score", "distributed", "xla_flags"]
+
+
+def package_order() -> list[str]:
+  """The order jmoe/__init__.py gives, lowest first (the lines after "in this order" that chain
+  names with "<-"); top-level modules count as packages."""
+  doc = ast.get_docstring(ast.parse((JMOE / "__init__.py").read_text()))
+  lines = doc.split("in this order", 1)[1].splitlines()[1:]
+  chain = " ".join(line for line in lines[:next(i for i, line in enumerate(lines)
+                                                 if "<-" not in line)])
+  return [name.strip() for name in chain.split("<-")]
+
+
+ORDER = package_order()
 
 
 def imports() -> dict[str, set[str]]:

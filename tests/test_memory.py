@@ -60,7 +60,7 @@ def test_state_and_batch_are_exact():
   argument bytes to the byte."""
   cfg = config(parallel=dict(dense=dict(data=1, fsdp=8), expert=dict(data=2, expert=4)))
   layout = make_layout(cfg.parallel)
-  optimizer = make_optimizer(cfg.train)
+  optimizer = make_optimizer(cfg.train, cfg.precision.moments)
   spec = state_spec(cfg, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((cfg.train.batch_size, cfg.data.seq_len + 1), np.int32)}
   compiled = compile_train_step(cfg, layout, spec, optimizer, batch)

@@ -56,10 +56,13 @@ def test_router_stats_per_moe_layer():
   np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("remat", ["full", "attention_moe_experts", "offload_attention_moe"])
-def test_remat_equals_no_remat(remat):
-  def loss_and_grads(remat):
-    model = model_factory(tiny_config(train=dict(remat=remat)))()
+@pytest.mark.parametrize("remat, unroll", [("full", 1), ("attention_moe_experts", 1),
+                                           ("offload_attention_moe", 1), ("none", 2),
+                                           ("full", 3)])
+def test_remat_and_unrolled_layers_equal_the_plain_loop(remat, unroll):
+  def loss_and_grads(remat, unroll=1):
+    model = model_factory(tiny_config(train=dict(remat=remat),
+                                      model=dict(scan_unroll=unroll)))()
 
     def loss(m):
       logits, stats = m(tokens())
@@ -67,7 +70,7 @@ def test_remat_equals_no_remat(remat):
 
     return nnx.value_and_grad(loss)(model)
 
-  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads(remat)
+  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads(remat, unroll)
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
@@ -105,9 +108,10 @@ def test_multi_token_prediction_heads_are_causal_and_leave_the_main_head_alone()
   from jmoe.train.loss import mtp_inputs
   window = jax.random.randint(jax.random.key(5), (2, 25), 0, 256)
   inputs, ahead = window[:, :-1], mtp_inputs(window, 2)
-  logits, mtp, stats = model.with_mtp(inputs, ahead)
+  h, mtp, stats = model.with_mtp(inputs, ahead)
+  logits = jnp.einsum("bsd,dv->bsv", h, model.head_weights(h.dtype))
   np.testing.assert_allclose(logits, model(inputs)[0], rtol=1e-6)
-  assert mtp.shape == (2, 2, 24, config.model.vocab_size)
+  assert mtp.shape == (2, 2, 24, config.model.d_model)
   assert stats.load_E.shape[0] == config.model.num_layers - config.moe.first_k_dense + 2
   # Module k at position i sees tokens up to i + k + 1 of the window, never later ones.
   cut = 10

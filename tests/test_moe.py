@@ -12,8 +12,9 @@ from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
 
 D, E, F, T = 16, 8, 12, 40
 
-# tokamax's kernel runs on NVIDIA GPUs only; scripts/check_gpu.py holds it to the same loop there.
-PORTABLE_BACKENDS = sorted(set(GEMM_BACKENDS) - {"tokamax"})
+# The Mosaic kernels run on Hopper GPUs only; scripts/check_gpu.py holds them to a float32
+# reference there.
+PORTABLE_BACKENDS = sorted(set(GEMM_BACKENDS) - {"mosaic"})
 
 
 def reference_moe(x_TD, router_DE, w_in_ED2F, w_out_EFD, top_k, norm_topk_prob):
@@ -99,7 +100,7 @@ def test_dispatch_then_combine_is_identity_with_its_gradient():
 
   def roundtrip(x):
     s = sort_by_expert(x, ids_TK, E)
-    return combine(s.x_XD, s.order_X, weights_TK)
+    return combine(s.x_XD, s.order_X, s.inverse_X, weights_TK)
 
   np.testing.assert_allclose(roundtrip(x_TD), x_TD, rtol=1e-6, atol=1e-6)
   probe = jax.random.normal(jax.random.key(3), (T, D))
@@ -184,3 +185,36 @@ def test_biased_clamped_experts_match_per_expert_loop(gemm):
   scale = max(float(jnp.max(jnp.abs(b))) for b in jax.tree.leaves(g_ref))
   for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale)
+
+
+def test_row_gathers_differentiate_like_their_plain_forms():
+  """The dispatch's gathers (whose gradients are gathers too) against jnp.take, whose gradient is
+  a scatter-add: a sort of token copies, and a buffer with empty rows and dropped copies."""
+  from jmoe.ops.rows import gather_copies, inverse_permutation, move_rows
+  x_TD = jax.random.normal(jax.random.key(0), (T, D))
+  ids_TK = jax.random.randint(jax.random.key(1), (T, 3), 0, E)
+  order_X = jnp.argsort(ids_TK.reshape(-1), stable=True)
+  inverse_X = inverse_permutation(order_X)
+  np.testing.assert_array_equal(order_X[inverse_X], np.arange(3 * T))
+  # A buffer of 150 rows holding some copies (the rest dropped), in a shuffled order.
+  slot_X = np.full(3 * T, 150)
+  kept = np.random.default_rng(0).permutation(3 * T)[:100]
+  slot_X[kept] = np.random.default_rng(1).permutation(150)[:100]
+  source_P = inverse_permutation(jnp.asarray(slot_X), 150)
+  probe = jax.random.normal(jax.random.key(2), (150, D))
+  cases = {
+      "sorted copies": (lambda x: gather_copies(x, order_X, inverse_X.reshape(T, 3)),
+                        lambda x: jnp.take(x, order_X // 3, axis=0), probe[:3 * T]),
+      "buffer": (lambda x: gather_copies(x, source_P, jnp.asarray(slot_X).reshape(T, 3)),
+                 lambda x: jnp.take(x, source_P // 3, axis=0, mode="fill", fill_value=0), probe),
+      # copies (rows of x_XD) into the buffer, one to one
+      "one to one": (lambda x: move_rows(x, source_P, jnp.asarray(slot_X)),
+                     lambda x: jnp.take(x, source_P, axis=0, mode="fill", fill_value=0), probe),
+  }
+  x_XD = jax.random.normal(jax.random.key(3), (3 * T, D))
+  for name, (ours, plain, p) in cases.items():
+    x = x_XD if name == "one to one" else x_TD
+    np.testing.assert_array_equal(ours(x), plain(x), err_msg=name)
+    g_ours = jax.grad(lambda x: jnp.sum(ours(x) * p))(x)
+    g_plain = jax.grad(lambda x: jnp.sum(plain(x) * p))(x)
+    np.testing.assert_allclose(g_ours, g_plain, rtol=1e-6, atol=1e-6, err_msg=name)

@@ -31,7 +31,7 @@ LAYOUTS = {  # name: (dense, expert)
 
 def loss_and_grads(config, devices):
   layout = make_layout(config.parallel, devices)
-  spec = state_spec(config, layout, make_optimizer(config.train))
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
   state = spec.init()
   # A packed batch: several documents per row, attention kept within each.
   batch = jax.device_put(first_batches(config)[0], layout.batch)
@@ -101,7 +101,7 @@ def test_expert_parallelism_must_divide_experts():
 def param_specs(dense, expert):
   config = tiny_config(model=MODEL, parallel=dict(dense=dense, expert=expert))
   layout = make_layout(config.parallel)
-  spec = state_spec(config, layout, make_optimizer(config.train))
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
   flat = jax.tree.leaves_with_path(spec.shardings.params)
   name = lambda path: jax.tree_util.keystr(path).removesuffix(".value")
   sizes = {name(p): a.size for p, a in jax.tree.leaves_with_path(spec.abstract.params)}
@@ -143,7 +143,7 @@ def compiled_state_bytes(dense, expert):
   from jmoe.train.step import compile_train_step
   config = tiny_config(model=MODEL, parallel=dict(dense=dense, expert=expert))
   layout = make_layout(config.parallel)
-  optimizer = make_optimizer(config.train)
+  optimizer = make_optimizer(config.train, config.precision.moments)
   spec = state_spec(config, layout, optimizer)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}

@@ -23,7 +23,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def first_step(config, devices):
   """Metrics and new parameters of one train step from the initial state."""
   layout = make_layout(config.parallel, devices)
-  optimizer = make_optimizer(config.train)
+  optimizer = make_optimizer(config.train, config.precision.moments)
   spec = state_spec(config, layout, optimizer)
   step = jax.jit(make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train)))
   batch = jax.device_put(first_batches(config)[0], layout.batch)
@@ -80,7 +80,7 @@ def test_expert_bias_updates_and_is_checkpointed(tmp_path):
                        train=dict(steps=3))
   train(config, tmp_path, progress=False)
   layout = make_layout(config.parallel)
-  spec = state_spec(config, layout, make_optimizer(config.train))
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
   checkpointer = Checkpointer(tmp_path / "checkpoints", keep=1)
   restored, _ = checkpointer.restore(3, spec.abstract, spec.shardings)
   checkpointer.close()
@@ -112,3 +112,47 @@ def test_multi_token_prediction_adds_its_weighted_loss(tmp_path):
     np.testing.assert_allclose(r["loss"], r["lm_loss"] + r["aux_loss"] + r["z_loss"] +
                                r["mtp_loss"], rtol=1e-5)
     assert len(r["expert_load"]) == 3  # two MoE layers and the MTP block
+
+
+def test_adamw_update_is_optax_adamw_with_clipping():
+  """The fused update against optax's AdamW after global-norm clipping, float32, over steps with
+  and without clipping, on parameters of every kind (decayed or not)."""
+  import optax
+  from jmoe.model.factory import model_factory
+  from jmoe.ops.params import DECAYED_KINDS, kind_of
+  from flax import nnx
+  config = tiny_config(train=dict(grad_clip=0.5, weight_decay=0.1, lr=1e-2))
+  params = nnx.state(model_factory(config)(), nnx.Param)
+  ours = make_optimizer(config.train, "float32")
+  mask = jax.tree.map(lambda v: v.replace(kind_of(v) in DECAYED_KINDS), params,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+  reference = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(
+      learning_rate(config.train), b1=config.train.b1, b2=config.train.b2, eps=config.train.eps,
+      weight_decay=0.1, mask=mask))
+  state, ref_state, p, ref_p = ours.init(params), reference.init(params), params, params
+  for i, scale in enumerate([1.0, 0.01, 3.0, 0.02]):  # clipped, not clipped, ...
+    grads = jax.tree.map(lambda x: scale * jax.random.normal(jax.random.key(i), x.shape), params)
+    p, state = ours.apply(grads, state, p, optax.tree.norm(grads))
+    updates, ref_state = reference.update(grads, ref_state, ref_p)
+    ref_p = optax.apply_updates(ref_p, updates)
+  for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(ref_p)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_bfloat16_moments_train_like_float32_moments(tmp_path):
+  """Precision-aware AdamW: float32 master weights with bfloat16 moments (half the optimizer
+  state) follow the float32-moment run's loss."""
+  runs = {}
+  for moments in ("float32", "bfloat16"):
+    config = tiny_config(train=dict(steps=30, warmup_steps=3, log_every=1, lr=1e-2),
+                         precision=dict(moments=moments))
+    runs[moments] = np.array([r["loss"] for r in train(config, tmp_path / moments,
+                                                        progress=False)])
+  assert runs["float32"][-1] < runs["float32"][0] - 1.0
+  np.testing.assert_allclose(runs["bfloat16"], runs["float32"], rtol=0.01)
+  config = tiny_config(precision=dict(moments="bfloat16"))
+  spec = state_spec(config, make_layout(config.parallel, jax.devices()[:1]),
+                    make_optimizer(config.train, "bfloat16"))
+  moments = jax.tree.leaves((spec.abstract.opt_state.mu, spec.abstract.opt_state.nu))
+  assert {str(m.dtype) for m in moments} == {"bfloat16"}
+  assert {str(p.dtype) for p in jax.tree.leaves(spec.abstract.params)} == {"float32"}

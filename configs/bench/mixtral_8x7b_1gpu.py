@@ -13,6 +13,6 @@ def get_config():
   c = read_config_file(pathlib.Path(__file__).parents[1] / "mixtral_8x7b.py")
   c.model.num_layers = 6
   c.train.update(batch_size=2, micro_batch_size=0, remat="none", warmup_steps=2, steps=100)
-  c.precision.update(params="bfloat16", compute="bfloat16")
+  c.precision.update(params="bfloat16", compute="bfloat16", moments="bfloat16")
   c.data.seq_len = 4096
   return c

@@ -21,7 +21,7 @@ def get_config():
   c = read_config_file(pathlib.Path(__file__).parents[1] / "qwen3_30b_a3b.py")
   c.train.update(batch_size=16, micro_batch_size=0, remat="attention_moe", warmup_steps=2,
                  steps=100)
-  c.precision.update(params="bfloat16", compute="bfloat16")
+  c.precision.update(params="bfloat16", compute="bfloat16", moments="bfloat16")
   c.parallel.dense.update(data=1, fsdp=8, context=1, tensor=1)
   c.parallel.expert.update(data=1, expert=8, tensor=1)
   c.moe.dispatcher = "alltoall"

@@ -24,7 +24,8 @@ from jmoe.checkpoint.params import load_model, save_model
 from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.parallel import make_layout
-from jmoe.model.factory import DTYPES, model_factory
+from jmoe.model.factory import model_factory
+from jmoe.ops.params import DTYPES
 
 INDEX = "model.safetensors.index.json"
 log = logging.getLogger("jmoe")

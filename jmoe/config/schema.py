@@ -59,6 +59,9 @@ class ModelConfig:
   attention_bias: bool = False  # biases on the query, key, value and output projections
   attention_sinks: bool = False  # a learned per-head logit in every softmax denominator (GPT-OSS)
   mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3: 1); module k predicts t+k+1
+  # Layers per iteration of the loop over a stack of layers: 1 keeps compile time flat in depth;
+  # num_layers (or more) gives straight-line code, with no loop buffers to initialise and fill.
+  scan_unroll: int = 1
   # The Hugging Face architecture this model converts to and from (jmoe.convert): "" (none),
   # qwen3_moe, mixtral, deepseek_v3 or gpt_oss.
   family: str = ""
@@ -109,7 +112,7 @@ class MoEConfig:
   capacity_factor: float | None = None  # None or 0: dropless; else each expert takes at most
   # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
   drop_policy: str = "probability"  # which copies stay under a capacity: probability | position
-  gemm: str = "auto"  # grouped GEMM backend: auto (tokamax on GPU) | tokamax | ragged_dot | dense
+  gemm: str = "auto"  # grouped GEMM backend: auto (mosaic on Hopper) | mosaic | ragged_dot | dense
   # > 0: each expert's rows, up to this multiple of the mean rows per expert, go into a block of
   # their own and all blocks run as one batched GEMM (fast on GPUs, and FP8-capable); rows past
   # a block take the grouped GEMM. Still dropless. 0: grouped GEMMs only.
@@ -200,7 +203,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-  params: str = "float32"  # storage dtype of the parameters (and so of the optimizer's master copy)
+  params: str = "float32"  # storage dtype of the parameters (the master copy the optimizer updates)
+  moments: str = "float32"  # storage dtype of AdamW's two moments (their update runs in float32)
   compute: str = "bfloat16"  # dtype of activations and GEMM inputs; router and losses stay float32
   # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/ops/fp8.py).
   # mxfp8 and nvfp4 name Blackwell's block-scaled formats: planned, see docs/FP8.md.

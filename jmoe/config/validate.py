@@ -10,7 +10,7 @@ mesh in jmoe/parallel/.
 from __future__ import annotations
 
 from jmoe.config.schema import Config
-from jmoe.errors import ConfigError
+from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
 from jmoe.ops.attention import ATTENTION_KERNELS
 from jmoe.ops.fp8 import FORMATS
@@ -39,13 +39,14 @@ def _positive(group: str, obj, *names: str):
 
 def _one_of(key: str, value, allowed):
   if value not in allowed:
-    yield f"{key} must be one of {list(allowed)}, got {value!r}"
+    yield not_one_of(key, value, allowed)
 
 
 def _model(config: Config):
   m = config.model
   yield from _positive("model", m, "vocab_size", "d_model", "num_layers", "num_heads",
-                       "num_kv_heads", "head_dim", "d_ff", "rope_theta", "norm_eps", "init_std")
+                       "num_kv_heads", "head_dim", "d_ff", "rope_theta", "norm_eps", "init_std",
+                       "scan_unroll")
   if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
     yield (f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads "
            f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
@@ -156,6 +157,7 @@ def _precision(p):
 def _other(config: Config):
   yield from _one_of("precision.params", config.precision.params, DTYPES)
   yield from _one_of("precision.compute", config.precision.compute, DTYPES)
+  yield from _one_of("precision.moments", config.precision.moments, DTYPES)
   yield from _precision(config.precision)
   for group in ("dense", "expert"):
     layout = getattr(config.parallel, group)

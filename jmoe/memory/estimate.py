@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from typing import Any
 
 import jax
@@ -26,6 +27,8 @@ from jmoe.parallel import Layout
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.state import state_spec
 from jmoe.train.step import compile_train_step, make_train_step
+
+log = logging.getLogger("jmoe")
 
 CATEGORIES = ("parameters", "optimizer state", "gradients", "weight copies", "activations",
               "dispatch buffers", "optimizer update", "batch")
@@ -61,7 +64,7 @@ class MemoryEstimate:
 
 def _step_inputs(config: Config, layout: Layout):
   """The optimizer, the state's spec and the batch's shape of `config`'s train step on `layout`."""
-  optimizer = make_optimizer(config.train)
+  optimizer = make_optimizer(config.train, config.precision.moments)
   batch = {"tokens": jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1),
                                           np.int32)}
   return optimizer, state_spec(config, layout, optimizer), batch
@@ -72,6 +75,11 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
   (default: this one). For "gpu", attention is cuDNN's fused kernel and the grouped GEMM is
   XLA's, through the stand-ins of jmoe/memory/gpu.py, on whatever platform the trace runs."""
   platform = platform or jax.default_backend()
+  if config.model.scan_unroll > 1:
+    log.warning("model.scan_unroll=%d: the estimate walks the layers as a loop (their stacked "
+                "buffers live throughout), which XLA's unrolled code does not keep: expect it "
+                "too high (+58%% on the unrolled 1-GPU bench config, docs/MEMORY.md)",
+                config.model.scan_unroll)
   if platform == "gpu":
     config = as_on_gpu(config)
   optimizer, spec, batch = _step_inputs(config, layout)

@@ -6,7 +6,8 @@ estimate traces in place of GPU kernels, supplied here and nowhere in model code
   holds memory the same way (zeros of the statistics' size: estimates only trace it) and runs
   under the `FUSED_SCOPE` name scope, so the walk counts what is made inside as the kernel's own
   working memory, never stored.
-- Grouped GEMMs: XLA's ragged dot (the GPU kernels hold the same buffers), which traces anywhere.
+- Grouped GEMMs: XLA's ragged dot in place of a GPU-only kernel (they hold the same buffers: their
+  operands and results), since it traces anywhere.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 from jmoe.config import Config
 from jmoe.ops import attention as attention_ops
+from jmoe.ops.grouped_gemm import GEMM_BACKENDS
 from jmoe.ops.params import DTYPES
 
 FUSED_SCOPE = "fused_attention"
@@ -51,12 +53,13 @@ def like_fused_attention(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
 
 def as_on_gpu(config: Config) -> Config:
   """`config` with the kernel choices a GPU run would make spelled out, for tracing elsewhere:
-  `auto` attention as cuDNN would be chosen there, and the grouped GEMM as XLA's ragged dot."""
+  `auto` attention as cuDNN would be chosen there, and a GPU-only grouped GEMM (or `auto`'s) as
+  XLA's ragged dot."""
   model, moe = config.model, config.moe
   if model.attention_kernel == "auto":
     kernel = attention_ops.auto_kernel("gpu", DTYPES[config.precision.compute])
     model = dataclasses.replace(model, attention_kernel=kernel)
-  if moe.gemm in ("auto", "tokamax"):
+  if moe.gemm == "auto" or not GEMM_BACKENDS[moe.gemm].portable:
     moe = dataclasses.replace(moe, gemm="ragged_dot")
   return dataclasses.replace(config, model=model, moe=moe)
 

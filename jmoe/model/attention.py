@@ -16,7 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jmoe.config import ModelConfig
 from jmoe.model.layers import RMSNorm
 from jmoe.model.rope import apply_rope, softmax_scale
-from jmoe.ops.attention import attention
+from jmoe.ops.attention import attention, same_document
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
@@ -24,11 +24,6 @@ from jmoe.parallel import constrain
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
 KV_AXES = ("act_batch", None, "act_kv_heads", None)
-
-
-def same_document(segment_ids_BS: jax.Array) -> jax.Array:
-  """[B, 1, S, S]: whether query and key belong to the same packed document."""
-  return (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
 
 
 class Attention(nnx.Module):
@@ -84,6 +79,8 @@ class Attention(nnx.Module):
       window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self
       return attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True, local_window_size=window,
                        **kwargs)
+    if self.sinks_H is None and not cfg.sliding_window:  # causal within each document
+      return attention(q_BSHA, k_BSGA, v_BSGA, segment_ids=segment_ids_BS, **kwargs)
     seq = q_BSHA.shape[1]
     distance_SS = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
     in_window_SS = distance_SS < max(cfg.sliding_window, 1)

@@ -31,7 +31,3 @@ class Embed(nnx.Module):
 
   def __call__(self, tokens_BS: jax.Array) -> jax.Array:
     return jnp.take(self.table[...], tokens_BS, axis=0).astype(self.dtype)
-
-  def attend(self, x_BSD: jax.Array) -> jax.Array:
-    """Logits against the embedding table (tied output head)."""
-    return jnp.einsum("bsd,vd->bsv", x_BSD, self.table[...].astype(x_BSD.dtype))

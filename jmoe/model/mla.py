@@ -16,10 +16,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
-from jmoe.model.attention import KV_AXES, Q_AXES, same_document
+from jmoe.model.attention import KV_AXES, Q_AXES
 from jmoe.model.layers import RMSNorm
 from jmoe.model.rope import apply_rope, softmax_scale
-from jmoe.ops.attention import attention
+from jmoe.ops.attention import attention, causal_document_mask
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
@@ -75,10 +75,7 @@ class MLAttention(nnx.Module):
     v_BSHA = jnp.pad(v_BSHW, ((0, 0), (0, 0), (0, 0), (0, max(head_dim - m.v_head_dim, 0))))
     q_BSHA, k_BSHA, v_BSHA = (constrain(q_BSHA, Q_AXES), constrain(k_BSHA, KV_AXES),
                               constrain(v_BSHA, KV_AXES))
-    mask = None
-    if segment_ids_BS is not None:
-      seq = segment_ids_BS.shape[1]
-      mask = jnp.tril(jnp.ones((seq, seq), bool))[None, None] & same_document(segment_ids_BS)
+    mask = None if segment_ids_BS is None else causal_document_mask(segment_ids_BS)
     out_BSHA = attention(q_BSHA, k_BSHA, v_BSHA, mask=mask, is_causal=mask is None,
                          scale=softmax_scale(head_dim, cfg.yarn), kernel=cfg.attention_kernel)
     out_BSHW = checkpoint_name(constrain(out_BSHA, Q_AXES)[..., :m.v_head_dim], "attention_out")

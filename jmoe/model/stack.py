@@ -25,10 +25,11 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
 
 
 def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None,
-              first_layer: int = 0):
+              first_layer: int = 0, unroll: int = 1):
   """Runs x through every layer: `x, y = layer(x, *args, rng=key, layer=index)`, each layer with
   its own key from `rng` (or None) and its index in the whole model (the stack starting at
-  `first_layer`); returns the last x and the stacked ys."""
+  `first_layer`); returns the last x and the stacked ys. `unroll` layers run per iteration of
+  the loop (as many as the stack has: straight-line code, no loop buffers to fill)."""
   graphdef, state = nnx.split(stack)
   num_layers = jax.tree.leaves(state)[0].shape[0]
   keys = None if rng is None else jax.random.split(rng, num_layers)
@@ -39,6 +40,9 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
     return nnx.merge(graphdef, layer_state)(carry, *args, rng=key, layer=index)
 
   policy = REMAT_POLICIES[remat]
+  unroll = min(unroll, num_layers)
   if policy is not None:
-    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-  return jax.lax.scan(body, x, (state, keys, indices))
+    # Inside a loop iteration XLA cannot merge the recomputation with the forward pass; across
+    # unrolled layers it could, undoing the remat, unless told not to.
+    body = jax.checkpoint(body, policy=policy, prevent_cse=unroll > 1)
+  return jax.lax.scan(body, x, (state, keys, indices), unroll=unroll)

@@ -16,6 +16,8 @@ from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
+LOGITS_AXES = ("act_batch", "act_seq", "act_vocab")  # split over the vocabulary with TP
+
 
 class Transformer(nnx.Module):
 
@@ -54,29 +56,43 @@ class Transformer(nnx.Module):
     attend only within their document); by default a row is one document. `rng` is for
     training-time noise (router jitter); without it the model is deterministic.
     """
+    h_BSD, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS, rng=rng)
+    return self._logits(h_BSD), stats
+
+  def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
+             segment_ids_BS: jax.Array | None = None, *, rng: jax.Array | None = None
+             ) -> tuple[jax.Array, RouterStats]:
+    """As `__call__`, but the normed last hidden states the LM head reads (`head_weights`), for
+    losses that make the logits themselves a chunk at a time (jmoe/ops/cross_entropy.py)."""
     positions_BS = self._positions(tokens_BS, positions_BS)
     h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
-    return self._logits(self.final_norm(h_BSD)), stats
+    return self.final_norm(h_BSD), stats
 
   def with_mtp(self, tokens_BS: jax.Array, next_tokens_BLS: jax.Array,
                positions_BS: jax.Array | None = None, segment_ids_BS: jax.Array | None = None,
                *, rng: jax.Array | None = None):
     """Training forward with multi-token prediction: `next_tokens_BLS[:, k]` are the tokens k + 1
-    places ahead of `tokens_BS`. Returns (logits, MTP logits [B, depth, S, V], router stats of
-    the MoE layers and then the MTP blocks)."""
+    places ahead of `tokens_BS`. Returns (the normed hidden states, each MTP module's [B, depth,
+    S, D], router stats of the MoE layers and then the MTP blocks): `head_weights` makes their
+    logits."""
     positions_BS = self._positions(tokens_BS, positions_BS)
-    h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
-    logits_BSV = self._logits(self.final_norm(h_BSD))
-    mtp_logits, mtp_stats = [], []
+    trunk_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
+    h_BSD, mtp_out, mtp_stats = trunk_BSD, [], []
     for k, module in enumerate(self.mtp):
       key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
       h_BSD, out_BSD, block_stats = module(h_BSD, self.embed(next_tokens_BLS[:, k]), positions_BS,
                                            segment_ids_BS, key, self.cfg.num_layers + k)
-      mtp_logits.append(self._logits(out_BSD))
+      mtp_out.append(out_BSD)
       mtp_stats.append(block_stats)
     if mtp_stats:
       stats = jax.tree.map(lambda a, *b: jnp.concatenate([a, jnp.stack(b)]), stats, *mtp_stats)
-    return logits_BSV, jnp.stack(mtp_logits, axis=1), stats
+    return self.final_norm(trunk_BSD), jnp.stack(mtp_out, axis=1), stats
+
+  def head_weights(self, dtype) -> jax.Array:
+    """The LM head as [D, V] in `dtype` (the embedding table, transposed, when tied)."""
+    if self.head_DV is None:
+      return self.embed.table[...].astype(dtype).T
+    return self.head_DV[...].astype(dtype)
 
   def update_expert_bias(self, load_LE: jax.Array, rate: float) -> None:
     """Aux-loss-free balancing after a step: moves each MoE layer's selection bias by its load
@@ -99,18 +115,14 @@ class Transformer(nnx.Module):
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
-                           remat=self.remat)
+                           remat=self.remat, unroll=self.cfg.scan_unroll)
     if self.moe_blocks is None:
       no_layers = jnp.zeros((0,), jnp.float32)
       return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
                                 load_E=jnp.zeros((0, self.num_experts), jnp.float32))
     return run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS, remat=self.remat,
-                     rng=rng, first_layer=self.first_moe_layer)
+                     rng=rng, first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll)
 
   def _logits(self, x_BSD):
-    if self.head_DV is None:
-      logits_BSV = self.embed.attend(x_BSD)
-    else:
-      logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_DV[...].astype(x_BSD.dtype))
-    logits_BSV = constrain(logits_BSV, ("act_batch", "act_seq", "act_vocab"))
-    return logits_BSV.astype(jnp.float32)
+    logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_weights(x_BSD.dtype))
+    return constrain(logits_BSV, LOGITS_AXES).astype(jnp.float32)

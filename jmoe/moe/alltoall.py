@@ -16,15 +16,18 @@ import jax.numpy as jnp
 from flax import struct
 
 from jmoe.moe.capacity import rank_within_expert
-from jmoe.moe.combine import combine, weighted_sum
-from jmoe.moe.dispatch import Dispatcher, Rows, sort_by_expert
+from jmoe.moe.combine import unsort, weighted_sum
+from jmoe.moe.dispatch import Dispatcher, rows_by_local_expert
 from jmoe.ops.exchange import all_gather, all_to_all, reduce_scatter
+from jmoe.ops.rows import gather_copies, inverse_permutation, move_rows
 
 
 @struct.dataclass
 class AllToAllContext:
   order_P: jax.Array  # received row r of the sort by local expert is buffer row order_P[r]
+  inverse_P: jax.Array  # buffer row p went to sorted row inverse_P[p]
   slot_X: jax.Array  # each routed copy's row in the send buffer (P: none)
+  source_P: jax.Array  # the copy each send-buffer row holds (X: none)
   weights_TK: jax.Array
   dropped_fraction: jax.Array
 
@@ -51,27 +54,26 @@ class AllToAllDispatcher(Dispatcher):
     rank_X = rank_within_expert(dest_X, peers + 1)
     slot_X = jnp.where(routed_X & (rank_X < block), dest_X * block + rank_X, peers * block)
 
-    send_PD = jnp.zeros((peers * block, x_TD.shape[1]), x_TD.dtype).at[slot_X].set(
-        jnp.repeat(x_TD, top_k, axis=0), mode="drop")
+    source_P = inverse_permutation(slot_X, peers * block)
+    send_PD = gather_copies(x_TD, source_P, slot_X.reshape(num_tokens, top_k))
     expert_P = jnp.full((peers * block,), num_local, jnp.int32).at[slot_X].set(
         ids_X % num_local, mode="drop")
     if axes.expert:
       send_PD = all_to_all(axes.expert, self.fp8)(send_PD)
       expert_P = all_to_all(axes.expert)(expert_P)
-    # Empty slots carry the id `num_local`: a last group the GEMMs skip.
-    s = sort_by_expert(send_PD, expert_P[:, None], num_local + 1)
-    rows = Rows(x_XD=s.x_XD, group_sizes_E=s.group_sizes_E[:num_local],
-                mean_rows_per_expert=mean_rows)
-    return rows, AllToAllContext(order_P=s.order_X, slot_X=slot_X, weights_TK=weights_TK,
+    # Empty slots carry the id `num_local`, the group the GEMMs skip.
+    rows, s = rows_by_local_expert(send_PD, expert_P[:, None], num_local, mean_rows)
+    return rows, AllToAllContext(order_P=s.order_X, inverse_P=s.inverse_X, slot_X=slot_X,
+                                 source_P=source_P, weights_TK=weights_TK,
                                  dropped_fraction=dropped)
 
   def combine(self, y_XD, context: AllToAllContext):
     axes = self.axes
     num_tokens, top_k = context.weights_TK.shape
-    y_PD = combine(y_XD, context.order_P, jnp.ones((y_XD.shape[0], 1), jnp.float32))  # un-sort
+    y_PD = unsort(y_XD, context.order_P, context.inverse_P)
     if axes.expert:
       y_PD = all_to_all(axes.expert)(y_PD)
-    y_TKD = y_PD.at[context.slot_X].get(mode="fill", fill_value=0).reshape(num_tokens, top_k, -1)
+    y_TKD = move_rows(y_PD, context.slot_X, context.source_P).reshape(num_tokens, top_k, -1)
     y_TD = weighted_sum(y_TKD, context.weights_TK)
     if axes.tensor:
       y_TD = reduce_scatter(axes.tensor)(y_TD)

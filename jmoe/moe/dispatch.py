@@ -29,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmoe.moe.capacity import apply_capacity, expert_capacity
 from jmoe.moe.combine import combine
+from jmoe.ops.rows import gather_copies, inverse_permutation
 from jmoe.parallel import ExpertAxes, Layout
 
 
@@ -47,16 +48,28 @@ class Sorted:
   x_XD: jax.Array  # token copies, grouped by expert in expert order
   group_sizes_E: jax.Array  # int32 rows per expert; sums to X
   order_X: jax.Array  # sorted row r holds the flat copy order_X[r] (= token * K + choice)
+  inverse_X: jax.Array  # copy j sits in sorted row inverse_X[j]
+
+
+def rows_by_local_expert(x_TD: jax.Array, local_ids_TK: jax.Array, num_local: int,
+                         mean_rows_per_expert: float) -> tuple[Rows, Sorted]:
+  """The experts' rows: copies sorted by local expert, those of no local expert (id `num_local`)
+  last, as a group the GEMMs skip."""
+  s = sort_by_expert(x_TD, local_ids_TK, num_local + 1)
+  return Rows(x_XD=s.x_XD, group_sizes_E=s.group_sizes_E[:num_local],
+              mean_rows_per_expert=mean_rows_per_expert), s
 
 
 def sort_by_expert(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int) -> Sorted:
-  """Each token's k copies sorted by expert (stable: in token order within an expert)."""
-  top_k = expert_ids_TK.shape[1]
+  """Each token's k copies sorted by expert (stable: in token order within an expert). The rows
+  are gathered, and so are their gradients (jmoe/ops/rows.py)."""
+  num_tokens, top_k = expert_ids_TK.shape
   flat_ids_X = expert_ids_TK.reshape(-1)
   order_X = jnp.argsort(flat_ids_X, stable=True).astype(jnp.int32)
-  x_XD = jnp.take(x_TD, order_X // top_k, axis=0)
+  inverse_X = inverse_permutation(order_X)
+  x_XD = gather_copies(x_TD, order_X, inverse_X.reshape(num_tokens, top_k))
   group_sizes_E = jnp.zeros((num_experts,), jnp.int32).at[flat_ids_X].add(1)
-  return Sorted(x_XD=x_XD, group_sizes_E=group_sizes_E, order_X=order_X)
+  return Sorted(x_XD=x_XD, group_sizes_E=group_sizes_E, order_X=order_X, inverse_X=inverse_X)
 
 
 class Dispatcher(abc.ABC):
@@ -101,7 +114,8 @@ class Dispatcher(abc.ABC):
 
 @struct.dataclass
 class SortedContext:
-  order_X: jax.Array  # as `Sorted.order_X`
+  order_X: jax.Array  # as in `Sorted`
+  inverse_X: jax.Array
   weights_TK: jax.Array  # the routing weights, zero for the copies computed elsewhere
   dropped_fraction: jax.Array
 
@@ -124,14 +138,13 @@ class LocalDispatcher(Dispatcher):
     mean_rows = self._mean_rows(*expert_ids_TK.shape)
     x_TD, expert_ids_TK, weights_TK = self._gather(x_TD, expert_ids_TK, weights_TK)
     local_TK, mine_TK = local_choice(expert_ids_TK, self.num_local, self.axes)
-    s = sort_by_expert(x_TD, local_TK, self.num_local + 1)
-    rows = Rows(x_XD=s.x_XD, group_sizes_E=s.group_sizes_E[:self.num_local],
-                mean_rows_per_expert=mean_rows)
-    return rows, SortedContext(order_X=s.order_X, weights_TK=jnp.where(mine_TK, weights_TK, 0.0),
+    rows, s = rows_by_local_expert(x_TD, local_TK, self.num_local, mean_rows)
+    return rows, SortedContext(order_X=s.order_X, inverse_X=s.inverse_X,
+                               weights_TK=jnp.where(mine_TK, weights_TK, 0.0),
                                dropped_fraction=dropped)
 
   def combine(self, y_XD, context: SortedContext):
-    return self._reduce(combine(y_XD, context.order_X, context.weights_TK))
+    return self._reduce(combine(y_XD, context.order_X, context.inverse_X, context.weights_TK))
 
   def _gather(self, x_TD, expert_ids_TK, weights_TK):
     return x_TD, expert_ids_TK, weights_TK

@@ -4,12 +4,14 @@ Every backend has this one signature, is differentiable (one custom VJP or plain
 gives zeros for the rows past sum(group_sizes_E), in the output and in the input gradient; an
 expert with no rows gets a zero weight gradient. The registry `GEMM_BACKENDS` is the list of names
 `moe.gemm` may take (besides `auto`):
-  tokamax     tokamax's Mosaic GPU kernel (NVIDIA Hopper and newer; the `gpu` extra)
+  mosaic      JAX's own Pallas Mosaic-GPU kernels (NVIDIA Hopper; jmoe/ops/mosaic_gemm.py)
   ragged_dot  XLA's `jax.lax.ragged_dot` (any platform; on GPUs it expands to dense work)
   dense       a reference einsum over all experts with a row-to-expert mask (exact, E times the
               work)
-`auto` picks tokamax on GPUs where it imports, and ragged_dot elsewhere. With FP8 expert GEMMs a
-backend runs its float8 kernels (`GroupedGemm.fp8`) through `jmoe.ops.fp8_grouped.grouped_fp8`.
+`auto` picks mosaic on Hopper GPUs and ragged_dot elsewhere; scripts/check_gpu.py holds every
+backend to a float32 reference on the GPU, expert by expert (tokamax 0.0.17's kernel, measured
+there with a weight gradient 4% off, is not among them). With FP8 expert GEMMs a backend runs its
+float8 kernels (`GroupedGemm.fp8`) through `jmoe.ops.fp8_grouped.grouped_fp8`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 
 from jmoe.errors import choice
 from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
+from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
 
 log = logging.getLogger("jmoe")
@@ -37,6 +40,7 @@ class GroupedGemm:
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
+  portable: bool = True  # runs (and traces) on every platform, not only on its GPU
 
   def __call__(self, x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
     return self.gemm(x_XD, w_EDF, group_sizes_E)
@@ -79,47 +83,10 @@ def _dense_contract_f8(x_XD, y_XF, group_sizes_E):
   return jnp.einsum("xd,xef->edf", x_XD, y_XEF, preferred_element_type=jnp.bfloat16)
 
 
-# --- tokamax ---
-
-def _tokamax_kernel(x_XD, w_EDF, group_sizes_E):
-  import tokamax
-  return tokamax.ragged_dot(x_XD, w_EDF, group_sizes_E, implementation="mosaic")
-
-
-def _rows_in_groups(y_XF, group_sizes_E):
-  in_groups_X1 = (jnp.arange(y_XF.shape[0]) < jnp.sum(group_sizes_E))[:, None]
-  return jnp.where(in_groups_X1, y_XF, jnp.zeros_like(y_XF))
-
-
-@jax.custom_vjp
-def _tokamax(x_XD, w_EDF, group_sizes_E):
-  # The kernel leaves what no row of a group touches unwritten: output rows past the groups, and
-  # in the backward pass the input gradient of those rows and the weight gradient of an expert
-  # with no rows. Zeros are selected there, so the contract holds and no garbage reaches the
-  # optimizer.
-  return _rows_in_groups(_tokamax_kernel(x_XD, w_EDF, group_sizes_E), group_sizes_E)
-
-
-def _tokamax_fwd(x_XD, w_EDF, group_sizes_E):
-  y_XF, vjp = jax.vjp(lambda x, w: _tokamax_kernel(x, w, group_sizes_E), x_XD, w_EDF)
-  return _rows_in_groups(y_XF, group_sizes_E), (vjp, group_sizes_E)
-
-
-def _tokamax_bwd(residuals, dy_XF):
-  vjp, group_sizes_E = residuals
-  dx_XD, dw_EDF = vjp(_rows_in_groups(dy_XF, group_sizes_E))
-  dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, jnp.zeros_like(dw_EDF))
-  return _rows_in_groups(dx_XD, group_sizes_E), dw_EDF, None
-
-
-_tokamax.defvjp(_tokamax_fwd, _tokamax_bwd)
-
-
 GEMM_BACKENDS: dict[str, GroupedGemm] = {
-    # tokamax has no float8 kernel for Hopper: its sm90 grouped GEMM takes bf16/f16 operands only
-    # (float8 weights are dequantized in the kernel, which needs a newer ptxas than jax's CUDA 13
-    # wheels bring).
-    "tokamax": GroupedGemm(_tokamax, keeps_varying_axes=False),
+    # The Mosaic kernels have no float8 form that returns bf16; FP8 experts on Hopper run as
+    # per-expert blocks (moe.expert_blocks). Their custom VJP drops shard_map's varying types.
+    "mosaic": GroupedGemm(mosaic_grouped_gemm, keeps_varying_axes=False, portable=False),
     "ragged_dot": GroupedGemm(_ragged_dot, RaggedKernels(_ragged_dot_f8, _ragged_contract_f8)),
     "dense": GroupedGemm(_dense, RaggedKernels(_dense_f8, _dense_contract_f8)),
 }
@@ -127,16 +94,13 @@ GEMM_BACKENDS: dict[str, GroupedGemm] = {
 
 @functools.cache
 def auto_gemm() -> str:
-  """tokamax on GPUs (where it imports), XLA's ragged_dot elsewhere."""
-  if jax.default_backend() != "gpu":
-    return "ragged_dot"
-  try:
-    import tokamax  # noqa: F401
-  except ImportError as e:
-    log.warning("moe.gemm=auto: tokamax does not import (%s), so the experts use XLA's "
-                "ragged_dot, which is slow on GPUs; install jmoe[gpu]", e)
-    return "ragged_dot"
-  return "tokamax"
+  """mosaic on Hopper GPUs, XLA's ragged_dot elsewhere."""
+  if on_hopper():
+    return "mosaic"
+  if jax.default_backend() == "gpu":
+    log.warning("moe.gemm=auto: no grouped GEMM kernel of jmoe's runs on %s, so the experts use "
+                "XLA's ragged_dot, which is slow on GPUs", jax.devices()[0].device_kind)
+  return "ragged_dot"
 
 
 def check_backend(name: str) -> None:

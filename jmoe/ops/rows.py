@@ -1,5 +1,6 @@
-"""Row moves: which group each sorted row belongs to, one-to-one row gathers whose gradients are
-gathers, and a conditional whose skipped branch costs nothing in either pass."""
+"""Row moves: which group each sorted row belongs to, row gathers whose gradients are gathers
+(scatter-adds are slow on GPUs), and a conditional whose skipped branch costs nothing in either
+pass."""
 
 from __future__ import annotations
 
@@ -50,6 +51,39 @@ def _move_rows_bwd(residuals, dy):
 
 
 move_rows.defvjp(_move_rows_fwd, _move_rows_bwd)
+
+
+@jax.custom_vjp
+def gather_copies(x_TD: jax.Array, copy_X: jax.Array, slot_TK: jax.Array) -> jax.Array:
+  """Row x is token copy copy_X[x] (= t * K + k) of x_TD, i.e. x_TD[copy_X[x] // K], or zeros when
+  copy_X[x] is out of range; `slot_TK` is the inverse (copy t * K + k sits in row slot_TK[t, k],
+  out of range if in none). The gradient of token t is the sum of its copies' gradients, gathered
+  by `slot_TK`: no scatter-add."""
+  top_k = slot_TK.shape[1]
+  return jnp.take(x_TD, copy_X // top_k, axis=0, mode="fill", fill_value=0)
+
+
+def _gather_copies_fwd(x_TD, copy_X, slot_TK):
+  return gather_copies(x_TD, copy_X, slot_TK), (copy_X, slot_TK)
+
+
+def _gather_copies_bwd(residuals, dy_XD):
+  copy_X, slot_TK = residuals
+  num_tokens, top_k = slot_TK.shape
+  dy_TKD = jnp.take(dy_XD, slot_TK.reshape(-1), axis=0, mode="fill", fill_value=0)
+  dx_TD = jnp.sum(dy_TKD.reshape(num_tokens, top_k, -1), axis=1, dtype=jnp.float32)
+  return dx_TD.astype(dy_XD.dtype), None, None
+
+
+gather_copies.defvjp(_gather_copies_fwd, _gather_copies_bwd)
+
+
+def inverse_permutation(order: jax.Array, size: int | None = None) -> jax.Array:
+  """inverse[order[r]] = r for the r where order[r] < size (default: len(order)); entries nothing
+  maps to get len(order)."""
+  size = order.shape[0] if size is None else size
+  return jnp.full((size,), order.shape[0], jnp.int32).at[order].set(
+      jnp.arange(order.shape[0], dtype=jnp.int32), mode="drop")
 
 
 def run_if(pred: jax.Array, fn: Callable, x, differentiable, constant):

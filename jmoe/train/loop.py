@@ -18,8 +18,9 @@ from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.params import read_variables
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
-from jmoe.errors import Interrupted
+from jmoe.errors import Interrupted, choice
 from jmoe.inference.score import score
+from jmoe.moe import DISPATCHERS
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
 from jmoe.train.metrics import MetricsWriter, summarize
@@ -72,14 +73,16 @@ class Trainer:
     self.config = config
     self.workdir = workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    # The registries config validation cannot see, checked before anything is built.
     check_family(config.model.family)
+    choice("moe.dispatcher", config.moe.dispatcher, DISPATCHERS)
     self.layout = layout = make_layout(config.parallel, devices)
     check_batch_fits(config, layout)
     self._lead = jax.process_index() == 0
     if self._lead:
       (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
 
-    optimizer = make_optimizer(config.train)
+    optimizer = make_optimizer(config.train, config.precision.moments)
     self.spec = spec = state_spec(config, layout, optimizer)
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -38,16 +40,21 @@ def target_masks(tokens_BN: jax.Array, segment_ids_BN: jax.Array | None, depth: 
   return same_document(1), mtp_BLS
 
 
-def mtp_loss(mtp_logits_BLSV: jax.Array, tokens_BN: jax.Array, mask_BLS: jax.Array,
-             count_L: jax.Array, weight: float) -> jax.Array:
+NllSum = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]  # (out, targets_BS, mask_BS)
+
+
+def mtp_loss(mtp_out_BL: jax.Array, tokens_BN: jax.Array, mask_BLS: jax.Array,
+             count_L: jax.Array, weight: float, nll_sum: NllSum = cross_entropy_sum) -> jax.Array:
   """Multi-token prediction: module k (0-based) at position i predicts token i + k + 2 of the
-  window. Each module's summed loss over the positions in `mask_BLS` is divided by `count_L[k]`
-  (its number of targets in the global batch); the result is `weight` times their mean."""
-  depth, seq = mtp_logits_BLSV.shape[1], mtp_logits_BLSV.shape[2]
+  window. Each module's summed loss over the positions in `mask_BLS` (`nll_sum` of its outputs
+  `mtp_out_BL[:, k]`: logits, or hidden states with a loss that applies the head) is divided by
+  `count_L[k]` (its number of targets in the global batch); the result is `weight` times their
+  mean."""
+  depth, seq = mask_BLS.shape[1], mask_BLS.shape[2]
   total = 0.0
   for k in range(depth):
     targets_BS = jnp.pad(tokens_BN[:, k + 2:], ((0, 0), (0, k + 1)))[:, :seq]
-    total += cross_entropy_sum(mtp_logits_BLSV[:, k], targets_BS, mask_BLS[:, k]) / count_L[k]
+    total += nll_sum(mtp_out_BL[:, k], targets_BS, mask_BLS[:, k]) / count_L[k]
   return weight * total / depth
 
 

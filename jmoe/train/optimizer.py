@@ -1,13 +1,29 @@
-"""AdamW with linear warmup, cosine decay and global-norm clipping."""
+"""AdamW with linear warmup, cosine decay and global-norm clipping, precision-aware.
+
+Parameters are stored in `precision.params` (the master copy the optimizer updates; the model casts
+them to `precision.compute` where it uses them) and the two moments in `precision.moments`, as
+Megatron-Core's precision-aware optimizer does: float32 master weights with bfloat16 moments halve
+the optimizer state and keep the update exact where it matters. Whatever the storage, each
+parameter's update is computed in float32 from one read of the parameter, its gradient and its two
+moments, and one write of the parameter and the moments: the whole update per parameter is one
+elementwise expression, which XLA makes one kernel.
+
+Weight decay applies to GEMM weights and embeddings, not to norm scales or biases: each
+parameter's kind says which it is (jmoe/ops/params.py).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
+import jax.numpy as jnp
 import optax
-from flax import nnx
+from flax import nnx, struct
 
 from jmoe.config import TrainConfig
-from jmoe.ops.params import DECAYED_KINDS, kind_of
+from jmoe.ops.params import DECAYED_KINDS, DTYPES, kind_of
 
 
 def learning_rate(cfg: TrainConfig) -> optax.Schedule:
@@ -16,16 +32,59 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
       end_value=cfg.lr * cfg.min_lr_ratio)
 
 
-def _decay_mask(params):
-  """Weight decay applies to GEMM weights and embeddings, not to norm scales or biases: each
-  parameter's kind says which it is."""
-  return jax.tree.map(lambda v: v.replace(kind_of(v) in DECAYED_KINDS), params,
-                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+@struct.dataclass
+class AdamWState:
+  count: jax.Array  # updates applied so far
+  mu: Any  # first moments, like the parameters, in the moments' dtype
+  nu: Any  # second moments
 
 
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  adamw = optax.adamw(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay, mask=_decay_mask)
-  if cfg.grad_clip > 0:
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
-  return adamw
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+  schedule: optax.Schedule
+  b1: float
+  b2: float
+  eps: float
+  weight_decay: float
+  grad_clip: float  # global-norm clipping threshold; 0: none
+  moments_dtype: Any = jnp.float32
+
+  def init(self, params) -> AdamWState:
+    zeros = lambda p: jnp.zeros(p.shape, self.moments_dtype)
+    return AdamWState(count=jnp.zeros((), jnp.int32), mu=jax.tree.map(zeros, params),
+                      nu=jax.tree.map(zeros, params))
+
+  def apply(self, grads, state: AdamWState, params, grad_norm: jax.Array):
+    """(new parameters, new state) after one update with `grads`, whose global norm is
+    `grad_norm`."""
+    count = state.count + 1
+    lr = self.schedule(state.count)
+    scale = (jnp.where(grad_norm < self.grad_clip, 1.0, self.grad_clip / grad_norm)
+             if self.grad_clip > 0 else 1.0)
+    correction1 = 1 - self.b1 ** count.astype(jnp.float32)
+    correction2 = 1 - self.b2 ** count.astype(jnp.float32)
+
+    def update(p, g, m, v, decay: bool):
+      g32 = g.astype(jnp.float32) * scale
+      m32 = self.b1 * m.astype(jnp.float32) + (1 - self.b1) * g32
+      v32 = self.b2 * v.astype(jnp.float32) + (1 - self.b2) * jnp.square(g32)
+      step = (m32 / correction1) / (jnp.sqrt(v32 / correction2) + self.eps)
+      p32 = p.astype(jnp.float32)
+      if decay:
+        step = step + self.weight_decay * p32
+      return (p32 - lr * step).astype(p.dtype), m32.astype(m.dtype), v32.astype(v.dtype)
+
+    is_variable = lambda x: isinstance(x, nnx.Variable)
+    decays = jax.tree.map(lambda v: kind_of(v) in DECAYED_KINDS, params, is_leaf=is_variable)
+    leaves, treedef = jax.tree.flatten(params)
+    new = [update(*args) for args in zip(leaves, *(jax.tree.leaves(t) for t in (
+        grads, state.mu, state.nu)), jax.tree.leaves(decays))]
+    params, mu, nu = (jax.tree.unflatten(treedef, [n[i] for n in new]) for i in range(3))
+    return params, AdamWState(count=count, mu=mu, nu=nu)
+
+
+def make_optimizer(cfg: TrainConfig, moments: str = "float32") -> AdamW:
+  """The run's AdamW; `moments`: the dtype the two moments are stored in."""
+  return AdamW(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+               weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+               moments_dtype=DTYPES[moments])

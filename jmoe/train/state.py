@@ -7,12 +7,12 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx, struct
 
 from jmoe.config import Config
 from jmoe.model.factory import model_factory
 from jmoe.parallel import Layout
+from jmoe.train.optimizer import AdamW
 
 
 @struct.dataclass
@@ -34,7 +34,7 @@ class StateSpec:
   init_from: Callable[[nnx.State, nnx.State], TrainState]
 
 
-def state_spec(config: Config, layout: Layout, optimizer: optax.GradientTransformation) -> StateSpec:
+def state_spec(config: Config, layout: Layout, optimizer: AdamW) -> StateSpec:
   build = model_factory(config)
 
   def init() -> TrainState:

@@ -10,11 +10,13 @@ import optax
 from flax import nnx
 
 from jmoe.config import Config
+from jmoe.model.factory import DTYPES
+from jmoe.model.transformer import LOGITS_AXES
+from jmoe.ops.cross_entropy import linear_cross_entropy
 from jmoe.ops.fp8 import Fp8History
-from jmoe.parallel import Layout
-from jmoe.train.loss import (balance_losses, cross_entropy_sum, mtp_inputs, mtp_loss,
-                             target_masks)
-from jmoe.train.optimizer import learning_rate
+from jmoe.parallel import Layout, constrain
+from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
+from jmoe.train.optimizer import AdamW, learning_rate
 from jmoe.train.state import StateSpec, TrainState
 
 
@@ -28,9 +30,16 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
   """
 
   depth = config.model.mtp_depth
+  compute_dtype = DTYPES[config.precision.compute]
 
   def loss_fn(params, rest, batch, counts, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
+    head_DV = model.head_weights(compute_dtype)
+
+    def nll_sum(h_BSD, targets_BS, mask_BS):  # the LM head and the loss, a chunk at a time
+      return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS,
+                                  constrain=lambda x: constrain(x, LOGITS_AXES))
+
     tokens_BN = batch["tokens"]
     segments_BN, positions_BN = batch.get("segment_ids"), batch.get("positions")
     inputs = dict(tokens_BS=tokens_BN[:, :-1],
@@ -39,13 +48,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     lm_mask_BS, mtp_mask_BLS = target_masks(tokens_BN, segments_BN, depth)
     metrics = {}
     if depth:
-      logits_BSV, mtp_BLSV, stats = model.with_mtp(
+      h_BSD, mtp_BLSD, stats = model.with_mtp(
           next_tokens_BLS=mtp_inputs(tokens_BN, depth), rng=rng, **inputs)
-      metrics["mtp_loss"] = mtp_loss(mtp_BLSV, tokens_BN, mtp_mask_BLS, counts["mtp"],
-                                     config.train.mtp_loss_weight)
+      metrics["mtp_loss"] = mtp_loss(mtp_BLSD, tokens_BN, mtp_mask_BLS, counts["mtp"],
+                                     config.train.mtp_loss_weight, nll_sum)
     else:
-      logits_BSV, stats = model(rng=rng, **inputs)
-    lm_loss = cross_entropy_sum(logits_BSV, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
+      h_BSD, stats = model.hidden(rng=rng, **inputs)
+    lm_loss = nll_sum(h_BSD, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
@@ -65,7 +74,7 @@ def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
 
 
 def make_train_step(graphdef: nnx.GraphDef, config: Config,
-                    optimizer: optax.GradientTransformation,
+                    optimizer: AdamW,
                     schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple]:
   loss_fn = make_loss_fn(graphdef, config)
 
@@ -112,8 +121,8 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)
     with jax.named_scope("optimizer"):
-      updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-      params = optax.apply_updates(state.params, updates)
+      params, opt_state = optimizer.apply(grads, state.opt_state, state.params,
+                                          metrics["grad_norm"])
     rest = nnx.merge_state(histories, others)
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
       model = nnx.merge(graphdef, params, rest)
@@ -126,7 +135,7 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
 
 
 def compile_train_step(config: Config, layout: Layout, spec: StateSpec,
-                       optimizer: optax.GradientTransformation, batch: dict) -> jax.stages.Compiled:
+                       optimizer: AdamW, batch: dict) -> jax.stages.Compiled:
   """The train step compiled for `layout`: the state placed as `spec` says and donated, the batch
   split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes)."""
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))

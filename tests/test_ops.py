@@ -1,0 +1,43 @@
+"""Primitives of jmoe/ops against their plain forms."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jmoe.ops.cross_entropy import linear_cross_entropy, num_chunks
+from jmoe.train.loss import cross_entropy_sum
+
+
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_linear_cross_entropy_is_the_loss_of_the_full_logits(chunks):
+  keys = jax.random.split(jax.random.key(0), 4)
+  h_BSD = jax.random.normal(keys[0], (3, 16, 8))
+  w_DV = jax.random.normal(keys[1], (8, 40)) * 2
+  targets_BS = jax.random.randint(keys[2], (3, 16), 0, 40)
+  mask_BS = jax.random.bernoulli(keys[3], 0.7, (3, 16))
+  ours = lambda h, w: linear_cross_entropy(h, w, targets_BS, mask_BS, chunks=chunks)
+  plain = lambda h, w: cross_entropy_sum(jnp.einsum("bsd,dv->bsv", h, w), targets_BS, mask_BS)
+  np.testing.assert_allclose(ours(h_BSD, w_DV), plain(h_BSD, w_DV), rtol=1e-6)
+  for a, b in zip(jax.grad(ours, (0, 1))(h_BSD, w_DV), jax.grad(plain, (0, 1))(h_BSD, w_DV)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  # Masked-out tokens get no gradient.
+  dh = jax.grad(ours)(h_BSD, w_DV)
+  assert np.all(np.asarray(dh)[~np.asarray(mask_BS)] == 0)
+
+
+def test_chunks_keep_the_logits_small():
+  assert num_chunks(2, 4096, 151936) == 8  # [2, 512, V] float32: 0.6 GiB a chunk
+  assert num_chunks(2, 64, 100) == 1
+  assert 4096 % num_chunks(3, 4096, 10**6) == 0
+
+
+def test_packed_segments_describe_each_rows_documents():
+  from jmoe.ops.attention import packed_segments
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0],
+                          [1, 1, 1, 1, 1, 1, 1, 1],
+                          [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)
+  lengths, offsets, documents = packed_segments(segments, 4)
+  np.testing.assert_array_equal(lengths[:2], [[3, 2, 1, -1], [8, -1, -1, -1]])
+  np.testing.assert_array_equal(offsets[:2], [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
+  np.testing.assert_array_equal(documents, [3, 1, 8])  # the last row has more than 4: masked
