@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Callable
 
-from jmoe.errors import ConfigError, Interrupted
+from jmoe.errors import ConfigError, Diverged, Interrupted
 
 
 def setup_logging() -> None:
@@ -29,6 +29,9 @@ def run(main: Callable[[], int]) -> int:
   except ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Diverged as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 3
   except Interrupted as e:
     print(f"jmoe: {e}", file=sys.stderr)
     return 128 + e.signum

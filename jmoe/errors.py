@@ -24,6 +24,11 @@ class Interrupted(Exception):
     self.signum = signum
 
 
+class Diverged(Exception):
+  """Training cannot go on: its loss or parameters are not finite (the message says since when
+  and what to try). No checkpoint of the non-finite state is written."""
+
+
 def not_one_of(key: str, name, allowed) -> str:
   """The message for a config `key` set to `name`, which is not among `allowed`."""
   return f"{key} must be one of {list(allowed)}, got {name!r}"

@@ -94,12 +94,20 @@ class Checkpointer:
         data=ocp.args.JsonRestore()))
     return restored.state, dict(restored.data or {})
 
+  @property
+  def aside(self) -> pathlib.Path:
+    """Where unreadable checkpoints are moved."""
+    return self.directory.parent / "corrupt_checkpoints"
+
   def restore_latest(self, abstract_state: Any, shardings: Any
                      ) -> tuple[int, Any, dict[str, Any]] | None:
-    """The newest readable checkpoint as (step, state, data position), or None when there is
-    none. Unreadable ones are reported and moved aside; a checkpoint of another model (different
-    shapes) is an error, since no older one would fit either."""
-    for step in reversed(self.all_steps()):
+    """The newest readable checkpoint as (step, state, data position), or None when the
+    workdir never had one. Unreadable ones are reported and moved aside; a checkpoint of another
+    model (different shapes) is an error, since no older one would fit either. When none can be
+    read (now, or when an earlier run moved them aside) that is an error too: a run never starts
+    over silently where one had progress."""
+    steps = self.all_steps()
+    for step in reversed(steps):
       try:
         state, data = self.restore(step, abstract_state, shardings)
       except ConfigError:
@@ -108,6 +116,14 @@ class Checkpointer:
         self._set_aside(step, e)
         continue
       return step, state, data
+    moved = sorted(p.name for p in self.aside.iterdir()) if self.aside.is_dir() else []
+    if steps or moved:
+      raise ConfigError(
+          f"no checkpoint in {self.directory} can be read"
+          f"{f' (steps {steps})' if steps else ''}; the unreadable ones are in {self.aside} "
+          f"({', '.join(moved)}). To start this workdir over from step 0, delete {self.aside} "
+          f"(and {self.directory.parent / 'metrics.jsonl'} if its history should go too), or "
+          f"give another --workdir")
     return None
 
   def _check_matches(self, step: int, abstract_state: Any) -> None:
@@ -126,7 +142,7 @@ class Checkpointer:
           f"--config.checkpoint.load_params")
 
   def _set_aside(self, step: int, error: Exception) -> None:
-    aside = self.directory.parent / "corrupt_checkpoints" / f"{step}-{int(time.time())}"
+    aside = self.aside / f"{step}-{int(time.time())}"
     log.warning("checkpoint %s cannot be read (%s: %s); moving it to %s and trying the one "
                 "before it", self.directory / str(step), type(error).__name__,
                 str(error).splitlines()[0][:300] if str(error) else "", aside)

@@ -164,6 +164,9 @@ class TrainConfig:
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
   mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
+  # Steps in a row whose loss or gradient norm is not finite (their updates are never applied)
+  # after which training stops with a message.
+  max_bad_steps: int = 3
   eval_every: int = 0  # steps between evaluations on the held-out split (0: none)
   # What the backward pass recomputes (jmoe/ops/remat.py): none | full | dots | attention |
   # attention_moe | attention_moe_experts | offload_attention_moe

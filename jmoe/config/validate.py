@@ -9,6 +9,9 @@ mesh in jmoe/parallel/.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from jmoe.config.schema import Config
 from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
@@ -26,9 +29,20 @@ ATTENTIONS = ("gqa", "mla")
 
 
 def validate(config: Config) -> None:
-  problems = [*_model(config), *_moe(config), *_train(config), *_data(config), *_other(config)]
+  problems = [*_finite(config), *_model(config), *_moe(config), *_train(config), *_data(config),
+              *_other(config)]
   if problems:
     raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
+
+
+def _finite(node, prefix: str = ""):
+  """Every float in the config is a finite number (`1e999` parses as inf, `nan` as NaN)."""
+  for field in dataclasses.fields(node):
+    value = getattr(node, field.name)
+    if dataclasses.is_dataclass(value):
+      yield from _finite(value, f"{prefix}{field.name}.")
+    elif isinstance(value, float) and not math.isfinite(value):
+      yield f"{prefix}{field.name} must be a finite number, got {value}"
 
 
 def _positive(group: str, obj, *names: str):
@@ -109,7 +123,7 @@ def _moe(config: Config):
 
 def _train(config: Config):
   t = config.train
-  yield from _positive("train", t, "steps", "batch_size", "log_every", "lr")
+  yield from _positive("train", t, "steps", "batch_size", "log_every", "lr", "max_bad_steps")
   if t.micro_batch <= 0 or t.batch_size % t.micro_batch:
     yield (f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
            f"({t.micro_batch_size}); use a divisor of the batch size, or 0 for no accumulation")

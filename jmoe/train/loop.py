@@ -18,16 +18,18 @@ from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.params import read_variables
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
-from jmoe.errors import Interrupted, choice
+from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
 from jmoe.moe import DISPATCHERS
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
+from jmoe.train.health import StepHealth, all_finite
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
 from jmoe.train.state import StateSpec, TrainState, state_spec
 from jmoe.train.step import compile_train_step, make_eval_step
+from jmoe.train.workdir import WorkdirLock, write_atomic
 
 log = logging.getLogger("jmoe")
 
@@ -79,9 +81,15 @@ class Trainer:
     self.layout = layout = make_layout(config.parallel, devices)
     check_batch_fits(config, layout)
     self._lead = jax.process_index() == 0
-    if self._lead:
-      (workdir / "config.json").write_text(json.dumps(to_dict(config), indent=2))
+    self._lock = WorkdirLock(workdir).acquire()
+    try:
+      self._start(config, workdir, progress)
+    except BaseException:
+      self._lock.release()
+      raise
 
+  def _start(self, config: Config, workdir: pathlib.Path, progress: bool) -> None:
+    layout = self.layout
     optimizer = make_optimizer(config.train, config.precision.moments)
     self.spec = spec = state_spec(config, layout, optimizer)
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
@@ -92,7 +100,8 @@ class Trainer:
                                      async_save=config.checkpoint.async_save)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
-      if self._lead:
+      if self._lead:  # only once the workdir's checkpoint has been found to fit this config
+        write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
         drop_metrics_after(workdir / "metrics.jsonl", self.step)
       if data_state is not None:
         self.data.restore(data_state)
@@ -113,6 +122,7 @@ class Trainer:
       raise
     self._last_metrics: dict | None = None
     self._saved = self.step if self.checkpointer.latest_step() == self.step else None
+    self.health = StepHealth(config.train.max_bad_steps, config.train.lr)
 
   def __enter__(self) -> "Trainer":
     return self
@@ -133,9 +143,12 @@ class Trainer:
       self.state, metrics = self._step_fn(self.state, self.data.next_batch())
       self.step = done = self.step + 1
       self._last_metrics = metrics
+      self.health.add(done, metrics["skipped"])
       evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
       if evaluate or done % cfg.train.log_every == 0 or done in (first, end):
+        self.health.check()
         record = summarize(jax.device_get(metrics), done)
+        record["skipped_steps"] = self.health.total
         now = time.perf_counter()
         record["tokens_per_s"] = tokens_per_step * (done - last_step) / (now - last_time)
         record.update(self.data.loader_stats())
@@ -155,6 +168,10 @@ class Trainer:
   def run(self) -> list[dict]:
     """The command line's run: to `train.steps`, a checkpoint at the end; SIGTERM or SIGINT save
     the step reached and raise `Interrupted`."""
+    if self.step >= self.config.train.steps:
+      log.warning("the workdir's checkpoint is at step %d and train.steps is %d: nothing left to "
+                  "do (raise --config.train.steps to train on)", self.step,
+                  self.config.train.steps)
     signals = StopSignals()
     with signals.installed():
       records = self.train(signals=signals)
@@ -170,8 +187,14 @@ class Trainer:
       return evaluation_loss(self._eval_fn, self.state, self.data.eval_batches())
 
   def save(self) -> pathlib.Path:
-    """A checkpoint of the current step (in the background with `checkpoint.async_save`)."""
+    """A checkpoint of the current step (in the background with `checkpoint.async_save`), never
+    of non-finite parameters (`Diverged` then)."""
     if self._saved != self.step:
+      self.health.check()
+      if not all_finite(self.state.params):
+        raise Diverged(f"the parameters at step {self.step} are not finite, so they are not "
+                       f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
+                       f"{self.config.train.lr:g}) or train.grad_clip")
       self.checkpointer.save(self.step, self.state, self.data.state())
       self._saved = self.step
     return self.checkpointer.directory / str(self.step)
@@ -199,6 +222,7 @@ class Trainer:
       self.data.close()
       self._writer.close()
       self.checkpointer.close()
+      self._lock.release()
       if self.state is not None:
         for x in jax.tree.leaves(self.state):
           if isinstance(x, jax.Array) and not x.is_deleted():
@@ -238,12 +262,20 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
 
 
 def drop_metrics_after(path: pathlib.Path, step: int) -> None:
-  """Forgets logged steps after `step`: a run resumed from an earlier checkpoint logs them again."""
+  """Forgets logged steps after `step` (a run resumed from an earlier checkpoint logs them
+  again), and a line a crash cut short."""
   if not path.exists():
     return
   lines = path.read_text().splitlines(keepends=True)
-  kept = [line for line in lines if json.loads(line)["step"] <= step]
-  if len(kept) < len(lines):
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
+  kept = []
+  for number, line in enumerate(lines, 1):
+    try:
+      record = json.loads(line)
+    except ValueError:
+      log.warning("%s:%d is not a whole record (a run stopped while writing it); dropping it",
+                  path, number)
+      continue
+    if record["step"] <= step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if kept != lines:
+    write_atomic(path, "".join(kept))

@@ -54,10 +54,11 @@ class AdamW:
     return AdamWState(count=jnp.zeros((), jnp.int32), mu=jax.tree.map(zeros, params),
                       nu=jax.tree.map(zeros, params))
 
-  def apply(self, grads, state: AdamWState, params, grad_norm: jax.Array):
+  def apply(self, grads, state: AdamWState, params, grad_norm: jax.Array,
+            applied: jax.Array | bool = True):
     """(new parameters, new state) after one update with `grads`, whose global norm is
-    `grad_norm`."""
-    count = state.count + 1
+    `grad_norm`; where `applied` is false, the parameters and state as they were."""
+    count = state.count + jnp.asarray(applied, jnp.int32)
     lr = self.schedule(state.count)
     scale = (jnp.where(grad_norm < self.grad_clip, 1.0, self.grad_clip / grad_norm)
              if self.grad_clip > 0 else 1.0)
@@ -72,7 +73,8 @@ class AdamW:
       p32 = p.astype(jnp.float32)
       if decay:
         step = step + self.weight_decay * p32
-      return (p32 - lr * step).astype(p.dtype), m32.astype(m.dtype), v32.astype(v.dtype)
+      keep = lambda new, old: jnp.where(applied, new.astype(old.dtype), old)
+      return keep(p32 - lr * step, p), keep(m32, m), keep(v32, v)
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     decays = jax.tree.map(lambda v: kind_of(v) in DECAYED_KINDS, params, is_leaf=is_variable)

@@ -120,14 +120,20 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
 
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)
+    # A step whose gradient is not finite (as a non-finite loss makes it) changes nothing but
+    # the step count: its update is selected away inside the optimizer's own pass over the
+    # parameters (no extra pass). A non-finite loss counts as a bad step in any case.
+    finite = jnp.isfinite(metrics["grad_norm"])
+    metrics["skipped"] = 1.0 - (finite & jnp.isfinite(metrics["loss"])).astype(jnp.float32)
     with jax.named_scope("optimizer"):
       params, opt_state = optimizer.apply(grads, state.opt_state, state.params,
-                                          metrics["grad_norm"])
+                                          metrics["grad_norm"], applied=finite)
     rest = nnx.merge_state(histories, others)
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
       model = nnx.merge(graphdef, params, rest)
       model.update_expert_bias(metrics["expert_load"], bias_rate)
       rest = nnx.state(model, nnx.Not(nnx.Param))
+    rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest, state.rest)
     new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
     return new_state, metrics
 
