@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Callable
 
@@ -20,13 +21,17 @@ def setup_logging() -> None:
 
 
 def run(main: Callable[[], int]) -> int:
-  """Runs a command; a ConfigError (bad config, data, checkpoint) becomes a message and exit 2,
-  and a run stopped by a signal (after its checkpoint) exits with 128 + the signal's number, as
-  a process killed by it would, so launchers see that it did not finish."""
+  """Runs a command; a ConfigError (bad config, data, checkpoint) becomes a message and exit 2
+  (with JMOE_DEBUG=1 in the environment, its traceback), a diverged run exit 3, and a run
+  stopped by a signal (after its checkpoint) exits with 128 + the signal's number, as a process
+  killed by it would, so launchers see that it did not finish."""
   setup_logging()
+  debug = os.environ.get("JMOE_DEBUG", "") not in ("", "0")
   try:
     return main()
   except ConfigError as e:
+    if debug:
+      raise
     print(f"error: {e}", file=sys.stderr)
     return 2
   except Diverged as e:

@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> int:
   imp.add_argument("--hf-dir", required=True)
   imp.add_argument("--out", required=True)
   imp.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16"])
+  imp.add_argument("--overwrite", action="store_true", help="replace what --out holds")
   exp = commands.add_parser("export-hf", help="jmoe checkpoint -> Hugging Face directory")
   exp.add_argument("--checkpoint", required=True)
   exp.add_argument("--out", required=True)
   exp.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="tensor dtype to write; default: the checkpoint's parameter dtype")
   exp.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GB")
+  exp.add_argument("--overwrite", action="store_true", help="replace what --out holds")
   exp.add_argument("--rope-interleave", choices=["true", "false"],
                    help="DeepSeek-V3: rotary weights interleaved (its checkpoints' layout, the "
                         "default) or half-split")
@@ -39,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                   "model.num_layers): a model checkpoint or a training workdir")
   up.add_argument("--config", required=True, help="the MoE model's configs/*.py file")
   up.add_argument("--out", required=True)
+  up.add_argument("--overwrite", action="store_true", help="replace what --out holds")
   up.add_argument("--router-std", type=float,
                   help="spread of the initial router weights; default model.init_std, 0 gives "
                        "uniform routing")
@@ -53,15 +56,16 @@ def main(argv: list[str] | None = None) -> int:
       from jmoe.checkpoint.upcycle import upcycle
       from jmoe.config import load_config
       config = load_config(args.config, overrides)
-      upcycle(args.checkpoint, config, args.out, args.router_std)
+      upcycle(args.checkpoint, config, args.out, args.router_std, args.overwrite)
       print(f"wrote {args.out} ({config.moe.num_experts} experts, top-{config.moe.top_k})")
     elif args.command == "import-hf":
-      config = import_hf(args.hf_dir, args.out, args.params_dtype)
+      config = import_hf(args.hf_dir, args.out, args.params_dtype, args.overwrite)
       print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
             f"{config.moe.num_experts} experts)")
     else:
       interleave = None if args.rope_interleave is None else args.rope_interleave == "true"
-      out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype, interleave)
+      out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype, interleave,
+                      args.overwrite)
       print(f"wrote {out}")
     return 0
 

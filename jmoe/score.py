@@ -20,8 +20,17 @@ from jmoe.config import ConfigError, ParallelConfig
 
 
 def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise ConfigError(f"--tokens-file {path} does not exist (one sequence per line, token ids "
+                      f"separated by spaces)")
+  try:
+    text = path.read_text()
+  except UnicodeDecodeError:
+    raise ConfigError(f"{path} is not text: one sequence per line, token ids separated by "
+                      f"spaces") from None
   sequences = []
-  for number, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+  for number, line in enumerate(text.splitlines(), 1):
     if not line.strip():
       continue
     try:

@@ -38,8 +38,9 @@ def simulate_devices(count: int) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=int, default=0,
-                      help="estimate for this many devices: the first N at hand, or N simulated")
+  parser.add_argument("--devices", type=int,
+                      help="estimate for this many devices: the first N at hand, or N simulated "
+                           "(default: all at hand)")
   parser.add_argument("--platform", choices=("gpu", "cpu"),
                       help="the platform estimated for (default: this one; gpu on simulated devices)")
   parser.add_argument("--device-memory-gib", type=float, default=0.0,
@@ -57,9 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.parallel import make_layout
     from jmoe.memory import compiled_bytes, estimate
     config = load_config(args.config, overrides)
+    if args.devices is not None and args.devices < 1:
+      raise ConfigError(f"--devices {args.devices}: give a positive number of devices")
+    if args.device_memory_gib < 0:
+      raise ConfigError(f"--device-memory-gib {args.device_memory_gib} must be >= 0")
     devices = jax.devices()
     simulated = os.environ.get("JMOE_SIMULATED_DEVICES") == str(args.devices)
-    if args.devices > len(devices):
+    if args.devices and args.devices > len(devices):
       if simulated or argv is not None:
         raise ConfigError(f"--devices {args.devices}: this process has {len(devices)} devices "
                           "and cannot simulate more once JAX has started")

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
-from jmoe.checkpoint.hf import SafetensorsReader, export_hf, import_hf
+from jmoe.checkpoint.hf import export_hf, import_hf
+from jmoe.checkpoint.hf_files import SafetensorsReader
 from jmoe.checkpoint.hf_families import check_exportable
 from jmoe.checkpoint.params import load_model
 from jmoe.config import ConfigError, ParallelConfig

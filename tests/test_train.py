@@ -156,3 +156,22 @@ def test_bfloat16_moments_train_like_float32_moments(tmp_path):
   moments = jax.tree.leaves((spec.abstract.opt_state.mu, spec.abstract.opt_state.nu))
   assert {str(m.dtype) for m in moments} == {"bfloat16"}
   assert {str(p.dtype) for p in jax.tree.leaves(spec.abstract.params)} == {"float32"}
+
+
+def test_a_step_that_is_not_applied_changes_nothing():
+  """A non-finite gradient's update is selected away: parameters, moments and the update count
+  come out bit for bit as they went in (NaN gradients included)."""
+  import jax.numpy as jnp
+  from jmoe.model.factory import model_factory
+  from flax import nnx
+  config = tiny_config(precision=dict(moments="bfloat16"))
+  params = nnx.state(model_factory(config)(), nnx.Param)
+  optimizer = make_optimizer(config.train, "bfloat16")
+  grads = jax.tree.map(lambda x: jnp.ones_like(x), params)
+  params1, state1 = optimizer.apply(grads, optimizer.init(params), params, jnp.float32(3.0))
+  nan_grads = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), params)
+  params2, state2 = optimizer.apply(nan_grads, state1, params1, jnp.float32(jnp.nan),
+                                    applied=jnp.bool_(False))
+  for a, b in zip(jax.tree.leaves((params2, state2)), jax.tree.leaves((params1, state1))):
+    np.testing.assert_array_equal(a, b)
+  assert int(state2.count) == int(state1.count) == 1

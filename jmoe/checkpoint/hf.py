@@ -16,84 +16,18 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
+from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, read_json,
+                                      refuse_to_overwrite, written_in_place)
 from jmoe.checkpoint.params import load_model, save_model
 from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
                          to_dict)
-from jmoe.parallel import make_layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.params import DTYPES
+from jmoe.parallel import make_layout
 
-INDEX = "model.safetensors.index.json"
 log = logging.getLogger("jmoe")
-
-
-class SafetensorsReader:
-  """Looks tensors up by name across the files of one checkpoint directory."""
-
-  def __init__(self, directory: pathlib.Path):
-    index = directory / INDEX
-    if index.is_file():
-      weight_map = json.loads(index.read_text())["weight_map"]
-      files = sorted(set(weight_map.values()))
-    else:
-      files = sorted(p.name for p in directory.glob("*.safetensors"))
-      if not files:
-        raise ConfigError(f"{directory} has no *.safetensors files (nor {INDEX})")
-      weight_map = {}
-      for name in files:
-        with safe_open(directory / name, "np") as f:
-          weight_map.update({k: name for k in f.keys()})
-    self.directory, self.weight_map = directory, weight_map
-    self.used: set[str] = set()
-
-  def __call__(self, name: str) -> np.ndarray:
-    if name not in self.weight_map:
-      raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
-    self.used.add(name)
-    with safe_open(self.directory / self.weight_map[name], "np") as f:
-      return f.get_tensor(name)
-
-
-class ShardedWriter:
-  """Writes tensors into model-0000i-of-0000n.safetensors files of at most `shard_bytes`."""
-
-  def __init__(self, directory: pathlib.Path, shard_bytes: int):
-    self.directory, self.shard_bytes = directory, shard_bytes
-    self.pending: dict[str, np.ndarray] = {}
-    self.written: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
-    self.total = 0
-
-  def add(self, name: str, tensor: np.ndarray) -> None:
-    if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > \
-        self.shard_bytes:
-      self._flush()
-    self.pending[name] = np.ascontiguousarray(tensor)
-    self.total += tensor.nbytes
-
-  def _flush(self) -> None:
-    name = f"part-{len(self.written):05d}.safetensors"
-    save_file(self.pending, self.directory / name, metadata={"format": "pt"})
-    self.written.append((name, list(self.pending)))
-    self.pending = {}
-
-  def close(self) -> None:
-    if self.pending:
-      self._flush()
-    n = len(self.written)
-    if n == 1:
-      (self.directory / self.written[0][0]).rename(self.directory / "model.safetensors")
-      return
-    weight_map = {}
-    for i, (tmp, names) in enumerate(self.written):
-      final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-      (self.directory / tmp).rename(self.directory / final)
-      weight_map.update({k: final for k in names})
-    (self.directory / INDEX).write_text(json.dumps(
-        {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
 
 
 # ---- the mapping: a jmoe parameter (one layer of it) <-> named Hugging Face tensors
@@ -261,13 +195,15 @@ def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
 
 
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
-              params_dtype: str = "float32") -> Config:
-  """Reads a local Hugging Face model directory; writes a jmoe model checkpoint to `out`."""
-  hf_dir = pathlib.Path(hf_dir)
+              params_dtype: str = "float32", overwrite: bool = False) -> Config:
+  """Reads a local Hugging Face model directory; writes a jmoe model checkpoint to `out` (which
+  must be empty or new, unless `overwrite`)."""
+  hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out).absolute()
+  refuse_to_overwrite(out, overwrite)
   if not (hf_dir / "config.json").is_file():
     raise ConfigError(f"{hf_dir / 'config.json'} does not exist: pass a local Hugging Face model "
                       f"directory (config.json and *.safetensors)")
-  hf = json.loads((hf_dir / "config.json").read_text())
+  hf = read_json(hf_dir / "config.json")
   family = family_of_hf(hf)
   model_cfg, moe_cfg = family.to_jmoe(hf)
   config = from_config_dict(to_dict(Config(model=model_cfg, moe=moe_cfg,
@@ -279,29 +215,47 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   interleaved = bool(hf.get("rope_interleave", False))
   for path, variable, layer, prefix, (to_jmoe, _) in _walk(config, family, params, interleaved):
     get = lambda name: read(prefix + name)
+    shape = variable.shape if layer is None else variable.shape[1:]
+    try:
+      value = to_jmoe(get, shape)
+    except ValueError as e:  # a tensor of another shape than config.json implies
+      raise ConfigError(f"{hf_dir}: the tensors under {prefix or 'the top'} for jmoe's "
+                        f"{'.'.join(path)} do not have the shapes its config.json implies "
+                        f"({shape}): {e}") from None
     if layer is None:
-      values[path] = to_jmoe(get, variable.shape).astype(variable.dtype)
+      values[path] = value.astype(variable.dtype)
     else:
       if path not in values:
         values[path] = np.empty(variable.shape, variable.dtype)
-      values[path][layer] = to_jmoe(get, variable.shape[1:])
+      values[path][layer] = value
   for path, variable in nnx.to_flat_state(params):
     variable.set_value(values.pop(tuple(str(p) for p in path)))
   unused = sorted(set(read.weight_map) - read.used)
   if unused:
     log.warning("%d tensors of %s are not used by jmoe, e.g. %s", len(unused), hf_dir, unused[:3])
-  save_model(out, params, config)
+  with written_in_place(out) as tmp:
+    save_model(tmp, params, config)
   return config
 
 
 def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
               shard_bytes: int = 4 << 30, dtype: str | None = None,
-              rope_interleave: bool | None = None) -> pathlib.Path:
-  """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory.
+              rope_interleave: bool | None = None, overwrite: bool = False) -> pathlib.Path:
+  """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory
+  (`out` must be empty or new, unless `overwrite`).
 
   `rope_interleave` (DeepSeek-V3 only) picks the rotary weight layout; default: interleaved, as
   DeepSeek's own checkpoints are.
   """
+  out = pathlib.Path(out).absolute()
+  refuse_to_overwrite(out, overwrite)
+  with written_in_place(out) as tmp:
+    _export(checkpoint, tmp, shard_bytes, dtype, rope_interleave)
+  return out
+
+
+def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
+            rope_interleave: bool | None) -> None:
   layout = make_layout(ParallelConfig(), jax.devices()[:1])
   config, model = load_model(checkpoint, layout)
   family = check_exportable(config.model, config.moe)
@@ -309,8 +263,6 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
     log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
                 "%s has none", config.model.mtp_depth, family.architecture)
   params = nnx.state(model)
-  out = pathlib.Path(out)
-  out.mkdir(parents=True, exist_ok=True)
   np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
   writer = ShardedWriter(out, shard_bytes)
   hf = family.to_hf(config.model, config.moe)
@@ -326,4 +278,3 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
   writer.close()
   hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
   (out / "config.json").write_text(json.dumps(hf, indent=2))
-  return out

@@ -15,11 +15,12 @@ previous one is used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import shutil
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -36,6 +37,36 @@ def with_shardings(abstract: Any, shardings: Any) -> Any:
   return jax.tree.map(
       lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
       abstract, shardings)
+
+
+# An item directory of a saved train state lacks these only when damaged. Orbax itself fails
+# later on them, and its reads in flight then print stray tracebacks: they are looked for first.
+REQUIRED_FILES = ("_METADATA", "manifest.ocdbt")
+
+
+def require_complete(item: pathlib.Path) -> None:
+  """Raises (a damaged checkpoint) if the saved item directory lacks one of REQUIRED_FILES."""
+  missing = [name for name in REQUIRED_FILES if not (item / name).is_file()]
+  if missing:
+    raise FileNotFoundError(f"{item / missing[0]} is missing")
+
+
+class _NotAboutItemMetadata(logging.Filter):
+  """Orbax warns that an item directory has no checkpoint-level metadata file: it lives one level
+  up, where the checkpoint manager wrote it. Nothing is wrong."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Metadata file does not exist" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def quiet_orbax() -> Iterator[None]:
+  log_filter, absl_log = _NotAboutItemMetadata(), logging.getLogger("absl")
+  absl_log.addFilter(log_filter)
+  try:
+    yield
+  finally:
+    absl_log.removeFilter(log_filter)
 
 
 def describe_mismatch(saved: Any, target: Any) -> str | None:
@@ -88,6 +119,7 @@ class Checkpointer:
   def restore(self, step: int, abstract_state: Any, shardings: Any
               ) -> tuple[Any, dict[str, Any]]:
     """The train state of `step`, placed by `shardings`, and its data position."""
+    require_complete(self.directory / str(step) / "state")
     self._check_matches(step, abstract_state)
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(with_shardings(abstract_state, shardings)),

@@ -11,18 +11,22 @@ its latest checkpoint, without its optimizer state.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jmoe.checkpoint.manager import Checkpointer, describe_mismatch, with_shardings
+from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, quiet_orbax,
+                                     require_complete, with_shardings)
 from jmoe.config import Config, ConfigError, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.fp8 import Fp8History
+
+log = logging.getLogger("jmoe")
 
 
 def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) -> None:
@@ -34,11 +38,20 @@ def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) 
 
 
 def read_config(directory: str | pathlib.Path) -> Config:
-  path = pathlib.Path(directory) / "config.json"
+  directory = pathlib.Path(directory)
+  if not directory.is_dir():
+    raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
+                      f"import-hf` or `upcycle`) or a training --workdir")
+  path = directory / "config.json"
   if not path.is_file():
     raise ConfigError(f"{path} does not exist: pass a directory written by `jmoe.convert "
                       f"import-hf` or `upcycle`, or a training --workdir")
-  return from_config_dict(json.loads(path.read_text()))
+  try:
+    saved = json.loads(path.read_text())
+  except ValueError as e:
+    raise ConfigError(f"{path} is not valid JSON ({e}); it is the config this model was saved "
+                      f"with: restore it, or write it again from the config file") from None
+  return from_config_dict(saved)
 
 
 def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings: nnx.State
@@ -57,26 +70,43 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
              target, run_state())
       pure = checkpointer.restore(directory / "model", target)
   else:
-    step = None
-    if (directory / "checkpoints").is_dir():
-      checkpointer = Checkpointer(directory / "checkpoints", keep=1)
-      step = checkpointer.latest_step()
-      checkpointer.close()
-    if step is None:
-      raise ConfigError(f"{directory} holds neither model/ (a model checkpoint) nor a checkpoint "
-                        f"under checkpoints/ (a training workdir)")
-    pure = _read_from_train_state(directory / "checkpoints" / str(step) / "state", target,
-                                  run_state())
+    pure = _read_newest_readable(directory, target, run_state)
   state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
   nnx.replace_by_pure_dict(state, pure)
   return state
+
+
+def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
+                          run_state: Callable[[], set[tuple[str, ...]]]) -> dict[str, Any]:
+  """The model variables of a training workdir's newest checkpoint that can be read; the
+  damaged ones after it are reported and passed over (not moved: reading changes nothing)."""
+  steps = []
+  if (workdir / "checkpoints").is_dir():
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
+    steps = checkpointer.all_steps()
+    checkpointer.close()
+  if not steps:
+    raise ConfigError(f"{workdir} holds neither model/ (a model checkpoint) nor a checkpoint "
+                      f"under checkpoints/ (a training workdir)")
+  paths = run_state()
+  for step in reversed(steps):
+    path = workdir / "checkpoints" / str(step) / "state"
+    try:
+      return _read_from_train_state(path, target, paths)
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
+      log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it", path.parent,
+                  type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+  raise ConfigError(f"no checkpoint under {workdir / 'checkpoints'} can be read (steps {steps})")
 
 
 def _read_from_train_state(path: pathlib.Path, target: dict[str, Any],
                            run_state: set[tuple[str, ...]]) -> dict[str, Any]:
   """Only the model variables of a saved train state (its `params` and `rest`). There each
   variable is a {"value": array} node, as nnx flattens a Variable, and list indices are strings."""
-  with ocp.PyTreeCheckpointer() as checkpointer:
+  require_complete(path)
+  with quiet_orbax(), ocp.PyTreeCheckpointer() as checkpointer:
     saved = checkpointer.metadata(path).item_metadata
     saved_model = {}
     for part in ("params", "rest"):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe.checkpoint.hf_files import refuse_to_overwrite, written_in_place
 from jmoe.checkpoint.params import read_config, read_variables, save_model
 from jmoe.config import (Config, ConfigError, DenseLayout, ExpertLayout, ParallelConfig,
                          RouterConfig, to_dict)
@@ -116,9 +117,12 @@ def upcycle_variables(dense: dict, moe_init: dict, config: Config, slices: int,
 
 
 def upcycle(dense_dir: str | pathlib.Path, config: Config, out: str | pathlib.Path,
-            router_std: float | None = None) -> None:
-  """Writes the upcycled model of `config` as a model checkpoint in `out`. `router_std`: the
-  spread of the initial router (default: model.init_std; 0 gives uniform routing)."""
+            router_std: float | None = None, overwrite: bool = False) -> None:
+  """Writes the upcycled model of `config` as a model checkpoint in `out` (empty or new, unless
+  `overwrite`). `router_std`: the spread of the initial router (default: model.init_std; 0 gives
+  uniform routing)."""
+  out = pathlib.Path(out).absolute()
+  refuse_to_overwrite(out, overwrite)
   dense_config = read_config(dense_dir)
   slices = check_upcyclable(dense_config, config)
   router_std = config.model.init_std if router_std is None else router_std
@@ -147,7 +151,8 @@ def upcycle(dense_dir: str | pathlib.Path, config: Config, out: str | pathlib.Pa
   with layout.active():
     values = make(nnx.to_pure_dict(dense_state))
   nnx.replace_by_pure_dict(moe_abstract, values)
-  save_model(out, moe_abstract, config)
+  with written_in_place(out) as tmp:
+    save_model(tmp, moe_abstract, config)
   log.info("upcycled %s into %d experts per layer (%d slice(s) of the dense MLP each, %d "
            "copies) in %s", dense_dir, config.moe.num_experts, slices,
            config.moe.num_experts // slices, out)

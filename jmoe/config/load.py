@@ -40,10 +40,25 @@ def read_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
     raise ConfigError(f"config file {str(path)!r} does not exist; configs live in configs/*.py")
   spec = importlib.util.spec_from_file_location(f"jmoe_user_config_{path.stem}", path)
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  if not hasattr(module, "get_config"):
+  try:
+    spec.loader.exec_module(module)
+  except SyntaxError as e:
+    raise ConfigError(f"{path}:{e.lineno}: invalid Python syntax ({e.msg}): "
+                      f"{(e.text or '').strip()!r}") from e
+  except Exception as e:  # noqa: BLE001 - whatever the file does wrong, say where
+    raise ConfigError(f"{path} fails when run: {type(e).__name__}: {e}") from e
+  if not callable(getattr(module, "get_config", None)):
     raise ConfigError(f"{path} has no get_config() function returning an ml_collections.ConfigDict")
-  return module.get_config()
+  try:
+    config_dict = module.get_config()
+  except Exception as e:  # noqa: BLE001
+    raise ConfigError(f"{path}: get_config() failed: {type(e).__name__}: {e}") from e
+  if not isinstance(config_dict, (ml_collections.ConfigDict, Mapping)):
+    raise ConfigError(f"{path}: get_config() returned {config_dict!r}, not an "
+                      f"ml_collections.ConfigDict")
+  if not isinstance(config_dict, ml_collections.ConfigDict):
+    config_dict = ml_collections.ConfigDict(config_dict)
+  return config_dict
 
 
 def apply_overrides(config_dict: ml_collections.ConfigDict, overrides: Sequence[str]) -> None:
@@ -81,6 +96,8 @@ def _parse_value(raw: str, hint: Any, dotted: str) -> Any:
     return raw
   if type(None) in allowed and raw in ("None", "none", "null"):
     return None
+  if float in allowed and raw.lower().lstrip("+-") in ("nan", "inf", "infinity"):
+    return float(raw)  # parsed, so that validation can say what is wrong with it
   if bool in allowed:
     if raw not in ("True", "False", "true", "false"):
       raise ConfigError(f"--config.{dotted} takes True or False, not {raw!r}")

@@ -144,6 +144,7 @@ class Prefetcher:
     self._stop = threading.Event()
     self._busy_s, self._tokens = 0.0, 0
     self.wait_s = 0.0  # time the consumer waited for batches
+    self._peeked: tuple | None = None
 
   def set_state(self, state: dict[str, Any]) -> None:
     assert self._thread is None, "set the state before the first batch"
@@ -165,7 +166,20 @@ class Prefetcher:
     except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised there
       self._queue.put((e, None, 0.0))
 
+  def peek(self) -> None:
+    """Makes the next batch now (raising what reading it raises), to hand it out next."""
+    if self._peeked is None:
+      self._peeked = self._fetch()
+
   def __next__(self) -> dict[str, np.ndarray]:
+    batch, state, elapsed = self._peeked or self._fetch()
+    self._peeked = None
+    self.state = state
+    self._busy_s += elapsed
+    self._tokens += batch["tokens"].size
+    return batch
+
+  def _fetch(self) -> tuple:
     if self._depth == 0:
       t0 = time.perf_counter()
       batch = next(self._batches)
@@ -181,10 +195,7 @@ class Prefetcher:
       self.wait_s += time.perf_counter() - t0
       if isinstance(batch, BaseException):
         raise batch
-    self.state = state
-    self._busy_s += elapsed
-    self._tokens += batch["tokens"].size
-    return batch
+    return batch, state, elapsed
 
   @property
   def tokens_per_s(self) -> float:
@@ -246,6 +257,11 @@ class DataPipeline:
           lambda index: array[[self._position[r]
                                for r in range(*index[0].indices(self.batch_size))]][:, index[1]])
     return {key: one(local[key]) for key in KEYS}
+
+  def check_first_batch(self) -> None:
+    """Reads the next batch ahead: documents that cannot be read stop the run now, not after
+    the step is compiled."""
+    self._loader.peek()
 
   def next_batch(self) -> dict[str, jax.Array]:
     return self._global(next(self._loader))

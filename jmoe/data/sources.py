@@ -46,8 +46,17 @@ class Tokenized:
         yield np.concatenate([ids, eod])
 
 
+def _utf8(raw: bytes, where: str) -> str:
+  try:
+    return raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{where} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
+                      f"text sources must be UTF-8: convert it, or leave it out of "
+                      f"data.source") from None
+
+
 class FileTexts:
-  """Each file one document."""
+  """Each file one document, UTF-8 text."""
 
   def __init__(self, paths: list[pathlib.Path]):
     self.paths = paths
@@ -55,8 +64,9 @@ class FileTexts:
   def __len__(self) -> int:
     return len(self.paths)
 
-  def __getitem__(self, index: int) -> bytes:
-    return self.paths[index].read_bytes()
+  def __getitem__(self, index: int) -> str:
+    path = self.paths[index]
+    return _utf8(path.read_bytes(), str(path))
 
 
 class JsonlTexts:
@@ -82,10 +92,12 @@ class JsonlTexts:
     with open(path, "rb") as f:
       f.seek(start)
       line = f.readline()
+    text = _utf8(line, f"{path}: the line at byte {start}")
     try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e})") from e
+      record = json.loads(text)
+    except ValueError as e:
+      raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e}); a JSONL source "
+                        f"holds one JSON object per line") from None
     if not isinstance(record, dict) or not isinstance(record.get(self.key), str):
       raise ConfigError(f"{path}: the line at byte {start} has no text field {self.key!r} "
                         f"(set data.text_key)")
@@ -104,7 +116,11 @@ class ParquetTexts:
     self._groups = []  # (path, row group, first row)
     total = 0
     for path in paths:
-      meta = pq.ParquetFile(path)
+      try:
+        meta = pq.ParquetFile(path)
+      except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file it cannot read
+        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: "
+                          f"{str(e)[:200]})") from None
       if key not in meta.schema_arrow.names:
         raise ConfigError(f"{path} has no column {key!r} (its columns: "
                           f"{meta.schema_arrow.names}); set data.text_key")
@@ -133,8 +149,19 @@ class TokenShards:
   (`*.bin`) with the document boundaries (`*.idx.npy`), described by `index.json`."""
 
   def __init__(self, directory: pathlib.Path, vocab_size: int, tokenizer):
-    self.name = str(directory)
-    index = json.loads((directory / TOKENS_INDEX).read_text())
+    self.name, self.vocab_size = str(directory), vocab_size
+    again = "; write the shards again with `python -m jmoe.data.prepare`"
+    try:
+      index = json.loads((directory / TOKENS_INDEX).read_text())
+      files = [(shard["file"], shard["bounds"]) for shard in index["shards"]]
+      dtype, max_id, fingerprint = index["dtype"], index["max_id"], index["tokenizer"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise ConfigError(f"{directory / TOKENS_INDEX} is damaged ({type(e).__name__}: {e})"
+                        f"{again}") from None
+    missing = [name for pair in files for name in pair if not (directory / name).is_file()]
+    if missing:
+      raise ConfigError(f"{directory} lacks {missing[0]}, which its {TOKENS_INDEX} names{again}")
+    index = dict(index, dtype=dtype, max_id=max_id, tokenizer=fingerprint)
     if index["max_id"] >= vocab_size:
       raise ConfigError(f"{directory} holds token id {index['max_id']}, beyond the model's "
                         f"vocabulary (model.vocab_size {vocab_size}); it was prepared with "
@@ -154,7 +181,14 @@ class TokenShards:
   def __getitem__(self, index: int) -> np.ndarray:
     shard = int(np.searchsorted(self._first, index, side="right")) - 1
     bounds, i = self._bounds[shard], index - self._first[shard]
-    return np.asarray(self._tokens[shard][bounds[i]:bounds[i + 1]], np.int32)
+    ids = np.asarray(self._tokens[shard][bounds[i]:bounds[i + 1]], np.int32)
+    # Cheap, on the host: an id past the vocabulary would make the loss NaN, not an error.
+    if ids.size and (ids.max() >= self.vocab_size or ids.min() < 0):
+      raise ConfigError(f"{self.name}: document {index} holds token id {int(ids.max())}, "
+                        f"outside the model's vocabulary [0, {self.vocab_size}) although "
+                        f"{TOKENS_INDEX} says otherwise; the shards are damaged or were "
+                        f"prepared for another vocabulary")
+    return ids
 
 
 class Subset:

@@ -35,6 +35,12 @@ log = logging.getLogger("jmoe")
 
 
 def check_batch_fits(config: Config, layout: Layout) -> None:
+  """What a layout needs of the config's sizes, said before anything is built."""
+  ffn, etp = config.moe.d_ff_expert, layout.folding.expert_sizes["tensor"]
+  if ffn % etp:
+    raise ConfigError(
+        f"moe.d_ff_expert ({ffn}) must be a multiple of the expert-tensor size ({etp}, "
+        f"parallel.expert.tensor): each device holds an equal slice of every expert's FFN")
   micro = config.train.micro_batch
   if micro % layout.data_parallel_size:
     raise ConfigError(
@@ -108,6 +114,7 @@ class Trainer:
       elif self.step:
         log.warning("the checkpoint of step %d holds no input position; the data starts over",
                     self.step)
+      self.data.check_first_batch()  # unreadable documents stop the run before compiling
       t0 = time.perf_counter()
       self._step_fn = compile_train_step(config, layout, spec, optimizer,
                                          self.data.batch_spec())

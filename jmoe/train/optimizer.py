@@ -58,23 +58,27 @@ class AdamW:
             applied: jax.Array | bool = True):
     """(new parameters, new state) after one update with `grads`, whose global norm is
     `grad_norm`; where `applied` is false, the parameters and state as they were."""
-    count = state.count + jnp.asarray(applied, jnp.int32)
-    lr = self.schedule(state.count)
+    applied = jnp.asarray(applied)
+    count = state.count + applied.astype(jnp.int32)
+    # Not applied: no learning rate, moments that keep their value (decay 1), and gradients
+    # read as zeros, so that every value comes out exactly as it went in. Scalars only: the
+    # per-parameter expression stays one pass.
+    lr = jnp.where(applied, self.schedule(state.count), 0.0)
+    b1, b2 = jnp.where(applied, self.b1, 1.0), jnp.where(applied, self.b2, 1.0)
     scale = (jnp.where(grad_norm < self.grad_clip, 1.0, self.grad_clip / grad_norm)
              if self.grad_clip > 0 else 1.0)
-    correction1 = 1 - self.b1 ** count.astype(jnp.float32)
-    correction2 = 1 - self.b2 ** count.astype(jnp.float32)
+    correction1 = 1 - self.b1 ** jnp.maximum(count, 1).astype(jnp.float32)
+    correction2 = 1 - self.b2 ** jnp.maximum(count, 1).astype(jnp.float32)
 
     def update(p, g, m, v, decay: bool):
-      g32 = g.astype(jnp.float32) * scale
-      m32 = self.b1 * m.astype(jnp.float32) + (1 - self.b1) * g32
-      v32 = self.b2 * v.astype(jnp.float32) + (1 - self.b2) * jnp.square(g32)
+      g32 = jnp.where(applied, g.astype(jnp.float32) * scale, 0.0)
+      m32 = b1 * m.astype(jnp.float32) + (1 - b1) * g32
+      v32 = b2 * v.astype(jnp.float32) + (1 - b2) * jnp.square(g32)
       step = (m32 / correction1) / (jnp.sqrt(v32 / correction2) + self.eps)
       p32 = p.astype(jnp.float32)
       if decay:
         step = step + self.weight_decay * p32
-      keep = lambda new, old: jnp.where(applied, new.astype(old.dtype), old)
-      return keep(p32 - lr * step, p), keep(m32, m), keep(v32, v)
+      return (p32 - lr * step).astype(p.dtype), m32.astype(m.dtype), v32.astype(v.dtype)
 
     is_variable = lambda x: isinstance(x, nnx.Variable)
     decays = jax.tree.map(lambda v: kind_of(v) in DECAYED_KINDS, params, is_leaf=is_variable)

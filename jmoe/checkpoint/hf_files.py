@@ -1,0 +1,138 @@
+"""Hugging Face model directories on disk: safetensors read tensor by tensor across (sharded)
+files, written in shards with their index, and output directories written in place (a temporary
+directory renamed into place once complete, never over a non-empty one unless asked)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import shutil
+from typing import Iterator
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from jmoe.config import ConfigError
+
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+  """Looks tensors up by name across the files of one checkpoint directory."""
+
+  def __init__(self, directory: pathlib.Path):
+    index = directory / INDEX
+    if index.is_file():
+      weight_map = read_json(index).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ConfigError(f"{index} has no weight_map; the download is incomplete or damaged")
+      files = sorted(set(weight_map.values()))
+      missing = [f for f in files if not (directory / f).is_file()]
+      if missing:
+        raise ConfigError(f"{index} names {missing[0]}, which is not in {directory} (of "
+                          f"{len(files)} shards, {len(missing)} are missing): finish the download")
+    else:
+      files = sorted(p.name for p in directory.glob("*.safetensors"))
+      if not files:
+        raise ConfigError(f"{directory} has no *.safetensors files (nor {INDEX})")
+      weight_map = {}
+      for name in files:
+        with self._open(directory / name) as f:
+          weight_map.update({k: name for k in f.keys()})
+    self.directory, self.weight_map = directory, weight_map
+    self.used: set[str] = set()
+
+  @staticmethod
+  def _open(path: pathlib.Path):
+    try:
+      return safe_open(path, "np")
+    except Exception as e:  # noqa: BLE001 - safetensors' errors for a file it cannot read
+      raise ConfigError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
+                        f"{str(e)[:200]}); download it again") from None
+
+  def __call__(self, name: str) -> np.ndarray:
+    if name not in self.weight_map:
+      raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
+    self.used.add(name)
+    path = self.directory / self.weight_map[name]
+    with self._open(path) as f:
+      try:
+        return f.get_tensor(name)
+      except Exception as e:  # noqa: BLE001 - a truncated file fails here
+        raise ConfigError(f"tensor {name!r} cannot be read from {path} ({type(e).__name__}: "
+                          f"{str(e)[:200]}); download it again") from None
+
+
+def read_json(path: pathlib.Path) -> dict:
+  try:
+    value = json.loads(path.read_text())
+  except (ValueError, OSError) as e:
+    raise ConfigError(f"{path} is not valid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise ConfigError(f"{path} holds {type(value).__name__}, not a JSON object")
+  return value
+
+
+def refuse_to_overwrite(out: pathlib.Path, overwrite: bool) -> None:
+  """A ConfigError if `out` holds anything, unless `overwrite`."""
+  if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+    raise ConfigError(f"{out} is not empty; give an empty or new directory, or --overwrite to "
+                      f"replace what is there")
+
+
+@contextlib.contextmanager
+def written_in_place(out: pathlib.Path) -> Iterator[pathlib.Path]:
+  """A temporary directory beside `out` to write into; renamed to `out` (replacing it) once the
+  block ends without an error, and removed if it fails: `out` is never left half written."""
+  tmp = out.with_name(f".{out.name}.writing-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  try:
+    yield tmp
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if out.exists():
+    shutil.rmtree(out) if out.is_dir() else out.unlink()
+  tmp.rename(out)
+
+
+class ShardedWriter:
+  """Writes tensors into model-0000i-of-0000n.safetensors files of at most `shard_bytes`."""
+
+  def __init__(self, directory: pathlib.Path, shard_bytes: int):
+    self.directory, self.shard_bytes = directory, shard_bytes
+    self.pending: dict[str, np.ndarray] = {}
+    self.written: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
+    self.total = 0
+
+  def add(self, name: str, tensor: np.ndarray) -> None:
+    if self.pending and sum(t.nbytes for t in self.pending.values()) + tensor.nbytes > \
+        self.shard_bytes:
+      self._flush()
+    self.pending[name] = np.ascontiguousarray(tensor)
+    self.total += tensor.nbytes
+
+  def _flush(self) -> None:
+    name = f"part-{len(self.written):05d}.safetensors"
+    save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+    self.written.append((name, list(self.pending)))
+    self.pending = {}
+
+  def close(self) -> None:
+    if self.pending:
+      self._flush()
+    n = len(self.written)
+    if n == 1:
+      (self.directory / self.written[0][0]).rename(self.directory / "model.safetensors")
+      return
+    weight_map = {}
+    for i, (tmp, names) in enumerate(self.written):
+      final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+      (self.directory / tmp).rename(self.directory / final)
+      weight_map.update({k: final for k in names})
+    (self.directory / INDEX).write_text(json.dumps(
+        {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))

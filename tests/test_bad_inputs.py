@@ -1,0 +1,549 @@
+"""Bad input, as a hostile but fair user gives it: every case ends in one short message that names
+what is wrong, a non-zero exit (or, where the input is merely odd, a notice), no traceback, and
+leaves every file saved before it as it was (hashed before and after).
+
+Commands run in this process through their `main(argv)` (what `python -m ...` runs), so most
+cases cost no compilation: a bad input is refused before anything is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import os
+import pathlib
+import sys
+from typing import Callable
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+TINY = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
+        "--config.model.num_kv_heads=2", "--config.model.head_dim=8", "--config.model.d_ff=64",
+        "--config.moe.num_experts=8", "--config.moe.d_ff_expert=16",
+        "--config.train.batch_size=8", "--config.train.steps=2", "--config.train.warmup_steps=1",
+        "--config.data.seq_len=32", "--config.data.max_corpus_bytes=200000",
+        "--config.precision.compute=float32", "--config.checkpoint.async_save=false"]
+CONFIG = str(ROOT / "configs" / "tiny_moe.py")
+
+
+@dataclasses.dataclass
+class Result:
+  code: int
+  err: str  # standard error and jmoe's log
+
+
+def run(main: Callable[[list[str]], int], *argv: str) -> Result:
+  """A command's `main(argv)` in this process, its exit code and everything it told the user."""
+  err = io.StringIO()
+  handlers = logging.getLogger("jmoe").handlers
+  streams = [h.stream for h in handlers if isinstance(h, logging.StreamHandler)]
+  try:
+    for h in handlers:
+      if isinstance(h, logging.StreamHandler):
+        h.setStream(err)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+      try:
+        code = main(list(argv))
+      except SystemExit as e:  # argparse's own usage errors
+        code = e.code if isinstance(e.code, int) else 1
+  finally:
+    for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], streams):
+      h.setStream(stream)
+  return Result(code, err.getvalue())
+
+
+def train(*argv):
+  from jmoe.train.__main__ import main
+  return run(main, *argv)
+
+
+def convert(*argv):
+  from jmoe.convert import main
+  return run(main, *argv)
+
+
+def score(*argv):
+  from jmoe.score import main
+  return run(main, *argv)
+
+
+def prepare(*argv):
+  from jmoe.data.prepare import main
+  return run(main, *argv)
+
+
+def hashes(*roots: pathlib.Path) -> dict[str, str]:
+  found = {}
+  for root in roots:
+    paths = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    for p in paths:
+      found[str(p)] = hashlib.sha256(p.read_bytes()).hexdigest()
+  return found
+
+
+def refused(result: Result, message: str, code: int = 2) -> None:
+  """One short message matching `message`, exit `code`, no traceback."""
+  assert result.code == code, (result.code, result.err[-2000:])
+  assert "Traceback" not in result.err, result.err[-3000:]
+  assert message in result.err or __import__("re").search(message, result.err), result.err[-2000:]
+
+
+# ---- configs ----
+
+def write(path: pathlib.Path, text: str | bytes) -> pathlib.Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+  return path
+
+
+@pytest.mark.parametrize("text, message", [
+    ("def get_config(:\n", r"bad\.py:1: .*syntax"),
+    ("def get_config():\n  return None\n", "get_config\\(\\) returned None"),
+    ("def get_config():\n  return {'model': 3}\n", "must be a group of keys"),
+    ("import not_a_module\ndef get_config():\n  pass\n", "No module named 'not_a_module'"),
+    ("def get_config():\n  raise RuntimeError('boom')\n", "get_config\\(\\) failed: RuntimeError: boom"),
+    ("x = 1\n", "has no get_config"),
+])
+def test_bad_config_files(tmp_path, text, message):
+  path = write(tmp_path / "bad.py", text)
+  refused(train("--config", str(path), "--workdir", str(tmp_path / "run")), message)
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lr=1e999", "train.lr must be a finite number, got inf"),
+    ("train.lr=nan", "train.lr must be a finite number, got nan"),
+    ("moe.capacity_factor=inf", "moe.capacity_factor must be a finite number"),
+    ("train.steps=0", "train.steps must be positive"),
+    ("train.max_bad_steps=0", "train.max_bad_steps must be positive"),
+    ("moe.dispatcher=ring", r"moe.dispatcher must be one of \['allgather', 'alltoall'\]"),
+    ("model.family=llama", "model.family must be one of"),
+    ("moe.gemm=cublas", "moe.gemm must be one of"),
+    ("train.remat=some", "train.remat must be one of"),
+    ("precision.moments=float16", "precision.moments must be one of"),
+    ("model.attention_kernel=flash", "model.attention_kernel must be one of"),
+    ("parallel.expert.tensor=3", "multiplies to|cannot share|does not divide"),
+    ("moe.d_ff_expert=15 parallel.expert.tensor=2",
+     r"moe.d_ff_expert \(15\) must be a multiple of the expert-tensor size \(2,"),
+    ("data.seq_len=31 train.batch_size=4 parallel.dense.data=4 parallel.dense.tensor=2",
+     "choose data.seq_len or the micro-batch"),
+    ("train.batch_size=4", r"must split evenly over the 8 data x fsdp devices"),
+    ("model.scan_unroll=0", "model.scan_unroll must be positive"),
+    ("nope.key=1", "no config group 'nope'"),
+    ("train.stepz=3", "unknown key 'train.stepz'"),
+    ("train.steps=three", "must be a int"),
+    ("data.source=/does/not/exist", "/does/not/exist does not exist"),
+])
+def test_bad_overrides_are_refused_before_anything_is_built(tmp_path, override, message):
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                 *(f"--config.{o}" for o in override.split()))
+  refused(result, message)
+  assert not (tmp_path / "run" / "config.json").exists()
+
+
+# ---- data ----
+
+RANDOM = np.random.default_rng(0).bytes(5000) + b"\xff\xfe"
+
+
+def shards(tmp_path, vocab=264) -> pathlib.Path:
+  """Token shards written by `jmoe.data.prepare` from a few text files."""
+  for i in range(6):
+    write(tmp_path / "docs" / f"{i}.txt", f"document {i} " * 200)
+  result = prepare("--source", str(tmp_path / "docs"), "--out", str(tmp_path / "tokens"))
+  assert result.code == 0, result.err
+  return tmp_path / "tokens"
+
+
+def data_case(tmp_path, name):
+  """(data.source, expected message) for each bad source."""
+  if name == "random bytes as text":
+    return str(write(tmp_path / "r.txt", RANDOM)), r"r.txt is not UTF-8 text"
+  if name == "a non-UTF-8 line in text":
+    return str(write(tmp_path / "l.txt", "fine\n".encode() * 50 + "caf\xe9\n".encode("latin-1"))), \
+        "l.txt is not UTF-8 text"
+  if name == "random bytes as JSONL":
+    return str(write(tmp_path / "r.jsonl", RANDOM)), "r.jsonl: the line at byte 0 is"
+  if name == "a non-UTF-8 line in JSONL":
+    good = json.dumps({"text": "hello " * 30}).encode() + b"\n"
+    return str(write(tmp_path / "l.jsonl", b'{"text": "caf\xe9"}\n' + good * 20)), \
+        "is not UTF-8 text"
+  if name == "a JSONL line without the text field":
+    return str(write(tmp_path / "k.jsonl", json.dumps({"body": "x " * 50}) + "\n")), \
+        "has no text field 'text' \\(set data.text_key\\)"
+  if name == "random bytes as Parquet":
+    return str(write(tmp_path / "r.parquet", RANDOM)), "r.parquet is not a readable Parquet file"
+  if name == "an empty file":
+    return str(write(tmp_path / "e.txt", b"")), "e.txt is empty"
+  if name == "a directory with no text files":
+    write(tmp_path / "d" / "a.bin", b"x")
+    return str(tmp_path / "d"), "contains no"
+  if name == "a glob that matches nothing":
+    return str(tmp_path / "none" / "*.jsonl"), "contains no"
+  if name == "token shards without their .bin":
+    directory = shards(tmp_path)
+    next(directory.glob("*.bin")).unlink()
+    return str(directory), r"lacks .*\.bin, which its index.json names"
+  if name == "token shards with a damaged index.json":
+    directory = shards(tmp_path)
+    (directory / "index.json").write_text('{"shards": [')
+    return str(directory), "index.json is damaged"
+  if name == "token shards with ids past the vocabulary":
+    directory = shards(tmp_path)
+    binary = next(directory.glob("*.bin"))
+    index = json.loads((directory / "index.json").read_text())
+    ids = np.memmap(binary, dtype=index["dtype"], mode="r+")
+    ids[:] = 300  # beyond vocab_size 264, while index.json still says max_id < 264
+    ids.flush()
+    return str(directory), "outside the model's vocabulary \\[0, 264\\)"
+  raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", [
+    "random bytes as text", "a non-UTF-8 line in text", "random bytes as JSONL",
+    "a non-UTF-8 line in JSONL", "a JSONL line without the text field", "random bytes as Parquet",
+    "an empty file", "a directory with no text files", "a glob that matches nothing",
+    "token shards without their .bin", "token shards with a damaged index.json",
+    "token shards with ids past the vocabulary"])
+def test_bad_data_is_refused_before_compiling(tmp_path, name):
+  source, message = data_case(tmp_path, name)
+  before = hashes(tmp_path)
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                 f"--config.data.source={source}", "--config.data.shuffle=false")
+  refused(result, message)
+  assert "compiled the train step" not in result.err
+  assert {k: v for k, v in hashes(tmp_path).items() if "/run/" not in k} == before
+
+
+def test_prepare_refuses_random_parquet(tmp_path):
+  source = write(tmp_path / "r.parquet", RANDOM)
+  refused(prepare("--source", str(source), "--out", str(tmp_path / "out")),
+          "r.parquet is not a readable Parquet file")
+
+
+# ---- workdirs ----
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> pathlib.Path:
+  """A workdir after 2 steps, with its checkpoint; tests work on copies of it."""
+  workdir = tmp_path_factory.mktemp("trained") / "run"
+  result = train("--config", CONFIG, "--workdir", str(workdir), *TINY)
+  assert result.code == 0, result.err[-2000:]
+  return workdir
+
+
+@pytest.fixture
+def workdir(trained, tmp_path) -> pathlib.Path:
+  import shutil
+  copy = tmp_path / "run"
+  shutil.copytree(trained, copy)
+  return copy
+
+
+def again(workdir, *overrides):
+  return train("--config", CONFIG, "--workdir", str(workdir), *TINY, *overrides)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--config.model.d_model=48", "was saved by a different model or optimizer"),
+    ("--config.model.vocab_size=300", "was saved by a different model or optimizer"),
+    ("--config.moe.num_experts=16", "was saved by a different model or optimizer"),
+])
+def test_a_refused_resume_leaves_the_workdir_as_it_was(workdir, override, message):
+  before = hashes(workdir)
+  refused(again(workdir, override), message)
+  assert hashes(workdir) == before  # config.json too: the refused config is not written
+
+
+def test_a_second_run_on_a_workdir_is_refused_while_the_first_holds_it(workdir):
+  from jmoe.train.workdir import WorkdirLock
+  before = hashes(workdir)
+  with WorkdirLock(workdir):
+    refused(again(workdir, "--config.train.steps=4"),
+            r"is in use by process \d+ on .* \(this process: close\(\) the other Trainer first\)")
+    assert hashes(workdir) == {**before, **hashes(workdir / "run.lock")}
+  assert not (workdir / "run.lock").exists()
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(workdir):
+  import socket
+  (workdir / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7,
+                                                "started": "then", "command": "gone"}))
+  result = again(workdir, "--config.train.steps=3")
+  assert result.code == 0, result.err[-2000:]
+  assert "taking over" in result.err and not (workdir / "run.lock").exists()
+
+
+def test_a_lock_of_another_host_is_respected(workdir):
+  (workdir / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "now",
+                                                "command": "train"}))
+  refused(again(workdir, "--config.train.steps=3"),
+          r"in use by process 1 on elsewhere .* delete .*run.lock")
+
+
+def test_no_readable_checkpoint_stops_instead_of_starting_over(workdir):
+  for f in (workdir / "checkpoints").rglob("*"):
+    if f.is_file() and f.stat().st_size > 100:
+      f.write_bytes(b"\0" * 64)  # every array file of every step damaged
+  metrics = hashes(workdir / "metrics.jsonl")
+  refused(again(workdir, "--config.train.steps=4"),
+          r"no checkpoint in .* can be read \(steps \[2\]\).*To start this workdir over")
+  assert hashes(workdir / "metrics.jsonl") == metrics  # the history is kept
+  assert (workdir / "corrupt_checkpoints").is_dir()
+  refused(again(workdir, "--config.train.steps=4"), "no checkpoint in .* can be read")
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice(workdir):
+  with open(workdir / "metrics.jsonl", "a") as f:
+    f.write('{"step": 3, "loss": 4.')
+  result = again(workdir, "--config.train.steps=3")
+  assert result.code == 0, result.err[-2000:]
+  assert "is not a whole record" in result.err
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps == [1, 2, 3]
+
+
+def test_resuming_with_nothing_left_to_do_says_so(workdir):
+  result = again(workdir, "--config.train.steps=1", "--config.train.warmup_steps=0")
+  assert result.code == 0
+  assert "nothing left to do" in result.err
+
+
+def test_divergence_stops_the_run_and_saves_nothing_non_finite(tmp_path):
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                 "--config.train.lr=1e6", "--config.train.steps=30", "--config.train.log_every=1",
+                 "--config.train.warmup_steps=0", "--config.checkpoint.every=1")
+  refused(result, r"not finite at 3 steps in a row \(steps \d+-\d+\).*train.lr", code=3)
+  import jax
+  import jmoe
+  from flax import nnx
+  _, model = jmoe.load_model(tmp_path / "run")  # the latest checkpoint: saved, and finite
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nnx.state(model)))
+
+
+# ---- Hugging Face conversion, scoring, the other commands ----
+
+QWEN = str(ROOT / "configs" / "tiny_qwen3_moe.py")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> pathlib.Path:
+  """A tiny Qwen3-MoE Hugging Face directory, written by jmoe's own export (sharded in two)."""
+  from flax import nnx
+  from jmoe.checkpoint.hf import export_hf
+  from jmoe.checkpoint.params import save_model
+  from jmoe.config import load_config
+  from jmoe.model.factory import model_factory
+  root = tmp_path_factory.mktemp("hf")
+  config = load_config(QWEN, [o.removeprefix("--config.") for o in TINY])
+  save_model(root / "ckpt", nnx.state(model_factory(config)()), config)
+  return export_hf(root / "ckpt", root / "hf", shard_bytes=100_000)
+
+
+def hf_copy(hf_dir, tmp_path) -> pathlib.Path:
+  import shutil
+  return pathlib.Path(shutil.copytree(hf_dir, tmp_path / "hf"))
+
+
+def damage_hf(directory: pathlib.Path, how: str) -> str:
+  """Damages a copy of the HF directory; returns the message expected."""
+  index = directory / "model.safetensors.index.json"
+  shards = sorted(directory.glob("*.safetensors"))
+  if how == "no config.json":
+    (directory / "config.json").unlink()
+    return "config.json does not exist"
+  if how == "config.json not JSON":
+    (directory / "config.json").write_text("{'not': json")
+    return "config.json is not valid JSON"
+  if how == "another architecture":
+    hf = json.loads((directory / "config.json").read_text())
+    hf.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (directory / "config.json").write_text(json.dumps(hf))
+    return "unsupported architecture \\['LlamaForCausalLM'\\]"
+  if how == "a missing shard":
+    shards[-1].unlink()
+    return f"names {shards[-1].name}, which is not in"
+  if how == "a truncated shard":
+    shards[0].write_bytes(shards[0].read_bytes()[:1000])
+    return "is not a readable safetensors file|cannot be read from"
+  if how == "a tensor of the wrong shape":
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(shards[0])
+    name = next(iter(tensors))
+    tensors[name] = np.zeros((3, 5), tensors[name].dtype)
+    save_file(tensors, shards[0], metadata={"format": "pt"})
+    return "do not have the shapes its config.json implies"
+  if how == "an index without a weight map":
+    index.write_text("{}")
+    return "has no weight_map"
+  raise KeyError(how)
+
+
+@pytest.mark.parametrize("how", ["no config.json", "config.json not JSON", "another architecture",
+                                 "a missing shard", "a truncated shard",
+                                 "a tensor of the wrong shape", "an index without a weight map"])
+def test_import_hf_refuses_a_damaged_directory(hf_dir, tmp_path, how):
+  directory = hf_copy(hf_dir, tmp_path)
+  message = damage_hf(directory, how)
+  before = hashes(directory)
+  refused(convert("import-hf", "--hf-dir", str(directory), "--out", str(tmp_path / "out")),
+          message)
+  assert hashes(directory) == before and not (tmp_path / "out").exists()
+  assert not list(tmp_path.glob(".out.writing-*"))  # no half-written directory left
+
+
+def test_conversions_never_write_over_what_is_there(hf_dir, workdir, tmp_path):
+  target = write(tmp_path / "taken" / "keep.txt", "precious").parent
+  for args in (["import-hf", "--hf-dir", str(hf_dir), "--out", str(target)],
+               ["import-hf", "--hf-dir", str(hf_dir), "--out", str(workdir)],
+               ["export-hf", "--checkpoint", str(workdir), "--out", str(target)],
+               ["upcycle", "--checkpoint", str(workdir), "--config", CONFIG, "--out",
+                str(target)]):
+    before = hashes(target, workdir)
+    refused(convert(*args), "is not empty; give an empty or new directory, or --overwrite")
+    assert hashes(target, workdir) == before
+  result = convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(target), "--overwrite")
+  assert result.code == 0, result.err[-2000:]
+  assert not (target / "keep.txt").exists() and (target / "config.json").is_file()
+
+
+def test_export_hf_explains_what_cannot_be_exported(workdir, tmp_path):
+  refused(convert("export-hf", "--checkpoint", str(tmp_path / "nothing"), "--out",
+                  str(tmp_path / "hf")), "nothing does not exist")
+  write(tmp_path / "empty" / "x.txt", "x")
+  refused(convert("export-hf", "--checkpoint", str(tmp_path / "empty"), "--out",
+                  str(tmp_path / "hf")), "config.json does not exist")
+  refused(convert("export-hf", "--checkpoint", str(workdir), "--out", str(tmp_path / "hf")),
+          "model.family is ''; set it to one of")
+  assert not (tmp_path / "hf").exists()
+
+
+def tokens_file(tmp_path, text="1 2 3 4 5\n7 8 9\n") -> pathlib.Path:
+  return write(tmp_path / "tokens.txt", text)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("1 2 x\n", "tokens.txt:1: token ids must be integers"),
+    ("1 2 999\n", "token id 999 is outside the model's vocabulary"),
+    ("\n\n", "holds no sequences"),
+    (b"\xff\xfe\x00\x01", "is not text"),
+])
+def test_score_refuses_bad_token_files(workdir, tmp_path, text, message):
+  refused(score("--checkpoint", str(workdir), "--tokens-file", str(write(tmp_path / "tokens.txt",
+                                                                        text))), message)
+
+
+def test_score_needs_its_inputs(workdir, tmp_path):
+  refused(score("--checkpoint", str(workdir), "--tokens-file", str(tmp_path / "none.txt")),
+          "--tokens-file .*none.txt does not exist")
+  refused(score("--checkpoint", str(tmp_path / "none"), "--tokens-file", str(tokens_file(tmp_path))),
+          "none does not exist")
+
+
+def test_score_and_export_pass_over_a_damaged_latest_checkpoint(tmp_path):
+  run_dir = tmp_path / "run"
+  assert train("--config", QWEN, "--workdir", str(run_dir), *TINY, "--config.train.steps=4",
+               "--config.checkpoint.every=2").code == 0
+  healthy = score("--checkpoint", str(run_dir), "--tokens-file", str(tokens_file(tmp_path)))
+  assert healthy.code == 0 and "Metadata file does not exist" not in healthy.err
+  (run_dir / "checkpoints" / "4" / "state" / "manifest.ocdbt").unlink()
+  before = hashes(run_dir)
+  result = score("--checkpoint", str(run_dir), "--tokens-file", str(tokens_file(tmp_path)))
+  assert result.code == 0, result.err[-2000:]
+  assert "checkpoints/4 cannot be read" in result.err and "Event loop is closed" not in result.err
+  result = convert("export-hf", "--checkpoint", str(run_dir), "--out", str(tmp_path / "hf"))
+  assert result.code == 0, result.err[-2000:]
+  assert hashes(run_dir) == before  # reading moves nothing
+
+
+def test_a_deleted_manifest_is_set_aside_quietly_on_resume(workdir):
+  import shutil
+  assert again(workdir, "--config.train.steps=3", "--config.checkpoint.every=1").code == 0
+  (workdir / "checkpoints" / "3" / "state" / "manifest.ocdbt").unlink()
+  result = again(workdir, "--config.train.steps=4")
+  assert result.code == 0, result.err[-2000:]
+  assert "manifest.ocdbt is missing" in result.err and "Traceback" not in result.err
+  shutil.rmtree(workdir / "corrupt_checkpoints")
+
+
+def test_a_damaged_config_json_is_named(workdir, tmp_path):
+  (workdir / "config.json").write_text('{"model": ')
+  refused(score("--checkpoint", str(workdir), "--tokens-file", str(tokens_file(tmp_path))),
+          "config.json is not valid JSON")
+
+
+def test_load_params_names_what_it_cannot_use(workdir, tmp_path):
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "new"), *TINY,
+                f"--config.checkpoint.load_params={tmp_path / 'none'}"), "none does not exist")
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "new2"), *TINY,
+                "--config.model.d_model=48", f"--config.checkpoint.load_params={workdir}"),
+          "does not fit this config")
+
+
+def test_other_commands_name_their_bad_arguments(tmp_path, monkeypatch):
+  import estimate_memory
+  refused(run(estimate_memory.main, "--config", CONFIG, "--devices", "0"),
+          "--devices 0: give a positive number of devices")
+  refused(run(estimate_memory.main, "--config", CONFIG, "--device-memory-gib", "-1"),
+          "--device-memory-gib -1.0 must be >= 0")
+  refused(prepare("--source", str(tmp_path / "none"), "--out", str(tmp_path / "out")),
+          "none does not exist")
+  refused(train("--config", str(tmp_path / "none.py"), "--workdir", str(tmp_path / "run")),
+          "none.py' does not exist")
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                f"--config.data.tokenizer={tmp_path / 'none.json'}"), "none.json")
+  monkeypatch.setenv("JMOE_NUM_PROCESSES", "two")
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY),
+          "JMOE_NUM_PROCESSES and JMOE_PROCESS_ID must be integers")
+
+
+# ---- faults: two runs at once, a killed run ----
+
+def test_a_second_run_is_refused_and_a_killed_run_resumes(tmp_path):
+  """While a run trains, a second `python -m jmoe.train` on its workdir stops at once naming it
+  and writes nothing there; once the first is killed (-9, no chance to clean up), the same
+  command takes its lock over and resumes from its last checkpoint, logging each step once."""
+  import signal
+  import subprocess
+  import time
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+             JAX_PLATFORMS="cpu")
+  workdir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
+  command = lambda steps: [sys.executable, "-m", "jmoe.train", "--config", CONFIG, "--workdir",
+                           str(workdir), "--no-progress", *TINY, f"--config.train.steps={steps}",
+                           "--config.checkpoint.every=2", "--config.train.log_every=1",
+                           "--config.train.batch_size=4"]
+  first = subprocess.Popen(command(100_000), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 240
+    while not (workdir / "checkpoints" / "4").is_dir() or len(
+        metrics.read_text().splitlines()) < 5:
+      assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
+      time.sleep(0.2)
+    second = subprocess.run(command(10), cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr[-2000:]
+    assert f"is in use by process {first.pid} on" in second.stderr
+  finally:
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+  assert (workdir / "run.lock").exists()  # left behind by the killed run
+  from jmoe.checkpoint import Checkpointer
+  checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
+  saved = checkpointer.latest_step()
+  checkpointer.close()
+  third = subprocess.run(command(saved + 3), cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+  assert third.returncode == 0, third.stderr[-3000:]
+  assert "taking over" in third.stderr and f"resuming from {workdir / 'checkpoints'}" in third.stderr
+  steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+  assert steps == list(range(1, saved + 4))  # each step once, the killed run's later ones dropped
+  assert not (workdir / "run.lock").exists()
