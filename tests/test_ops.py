@@ -29,6 +29,7 @@ def test_linear_cross_entropy_is_the_loss_of_the_full_logits(chunks):
 def test_chunks_keep_the_logits_small():
   assert num_chunks(2, 4096, 151936) == 8  # [2, 512, V] float32: 0.6 GiB a chunk
   assert num_chunks(2, 64, 100) == 1
+  assert num_chunks(8, 4096, 151936, devices=8) == 4  # [8, 1024, V] over 8 devices: 0.6 GiB each
   assert 4096 % num_chunks(3, 4096, 10**6) == 0
 
 

@@ -22,12 +22,14 @@ import jax
 import jax.numpy as jnp
 
 Constrain = Callable[[jax.Array], jax.Array]
-LOGITS_PER_CHUNK = 2**28  # float32 logits of one chunk, over every device: 1 GiB
+LOGITS_PER_CHUNK = 2**28  # float32 logits of one chunk on one device: 1 GiB
 
 
-def num_chunks(batch: int, seq: int, vocab: int) -> int:
-  """The fewest chunks (a divisor of `seq`) whose logits stay under LOGITS_PER_CHUNK."""
-  want = max(1, math.ceil(batch * seq * vocab / LOGITS_PER_CHUNK))
+def num_chunks(batch: int, seq: int, vocab: int, devices: int = 1) -> int:
+  """The fewest chunks (a divisor of `seq`) whose logits stay under LOGITS_PER_CHUNK on each of
+  the `devices` that split them. Few chunks matter beyond memory: with the batch split over
+  devices, each chunk's head gradient is summed over them (docs/PERFORMANCE.md)."""
+  want = max(1, math.ceil(batch * seq * vocab / (devices * LOGITS_PER_CHUNK)))
   return next(n for n in range(want, seq + 1) if seq % n == 0)
 
 
@@ -90,13 +92,14 @@ _nll_sum.defvjp(_forward, _backward)
 
 def linear_cross_entropy(h_BSD: jax.Array, w_DV: jax.Array, targets_BS: jax.Array,
                          mask_BS: jax.Array | None = None, *, chunks: int | None = None,
-                         constrain: Constrain = lambda x: x) -> jax.Array:
+                         constrain: Constrain = lambda x: x, devices: int = 1) -> jax.Array:
   """Sum over the tokens where `mask_BS` holds of -log softmax(h . w)[target], in float32.
 
-  `h_BSD` and `w_DV` in the compute dtype; `chunks` defaults to `num_chunks`; `constrain` places
-  a chunk's [B, S / chunks, V] logits (e.g. split over the vocabulary with tensor parallelism)."""
+  `h_BSD` and `w_DV` in the compute dtype; `chunks` defaults to `num_chunks` for the logits split
+  over `devices`; `constrain` places a chunk's [B, S / chunks, V] logits (e.g. split over the
+  vocabulary with tensor parallelism)."""
   batch, seq = targets_BS.shape
-  chunks = chunks or num_chunks(batch, seq, w_DV.shape[1])
+  chunks = chunks or num_chunks(batch, seq, w_DV.shape[1], devices)
   weight_BS = (jnp.ones(targets_BS.shape, jnp.float32) if mask_BS is None
                else mask_BS.astype(jnp.float32))
   return _nll_sum(h_BSD, w_DV, targets_BS, weight_BS, chunks, constrain)

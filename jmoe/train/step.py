@@ -14,7 +14,7 @@ from jmoe.model.factory import DTYPES
 from jmoe.model.transformer import LOGITS_AXES
 from jmoe.ops.cross_entropy import linear_cross_entropy
 from jmoe.ops.fp8 import Fp8History
-from jmoe.parallel import Layout, constrain
+from jmoe.parallel import Layout, active_layout, constrain
 from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
 from jmoe.train.optimizer import AdamW, learning_rate
 from jmoe.train.state import StateSpec, TrainState
@@ -37,8 +37,10 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     head_DV = model.head_weights(compute_dtype)
 
     def nll_sum(h_BSD, targets_BS, mask_BS):  # the LM head and the loss, a chunk at a time
+      layout = active_layout()  # the logits are split over all its devices
       return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS,
-                                  constrain=lambda x: constrain(x, LOGITS_AXES))
+                                  constrain=lambda x: constrain(x, LOGITS_AXES),
+                                  devices=layout.mesh.size if layout else 1)
 
     tokens_BN = batch["tokens"]
     segments_BN, positions_BN = batch.get("segment_ids"), batch.get("positions")
