@@ -109,6 +109,10 @@ class MoEConfig:
   num_shared_experts: int = 0  # always-on experts of size d_ff_expert, summed into the output
   first_k_dense: int = 0  # the first k layers use a dense MLP instead of experts
   dispatcher: str = "allgather"  # how tokens reach experts on other devices: allgather | alltoall
+  # alltoall: each peer's buffer holds this multiple of the mean copies a device sends a peer;
+  # copies past it travel in further rounds (the overflow_rounds metric), none is dropped
+  dispatch_factor: float = 1.25
+  dispatch_chunks: int = 1  # the MoE layer's tokens in this many independent pieces (overlap)
   capacity_factor: float | None = None  # None or 0: dropless; else each expert takes at most
   # ceil(capacity_factor * T * top_k / num_experts) of the T tokens on a device
   drop_policy: str = "probability"  # which copies stay under a capacity: probability | position

@@ -91,6 +91,11 @@ def _moe(config: Config):
     yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers] = "
            f"[0, {config.model.num_layers}] (all layers dense: a dense model)")
   yield from _one_of("moe.gemm", moe.gemm, ["auto", *GEMM_BACKENDS])
+  if moe.dispatch_factor < 1:
+    yield (f"moe.dispatch_factor must be >= 1 (a multiple of the mean load per peer), got "
+           f"{moe.dispatch_factor}")
+  if moe.dispatch_chunks < 1:
+    yield f"moe.dispatch_chunks must be positive, got {moe.dispatch_chunks}"
   if moe.expert_blocks < 0:
     yield f"moe.expert_blocks must be >= 0 (0: off), got {moe.expert_blocks}"
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)

@@ -17,8 +17,8 @@ from jax.extend.core import Literal
 
 from jmoe.memory.gpu import FUSED_SCOPE
 
-SCOPE_KINDS = {"dispatch": "dispatch buffers", "combine": "dispatch buffers",
-               "optimizer": "optimizer update"}
+SCOPE_KINDS = {"dispatch": "dispatch buffers", "overflow": "dispatch buffers",
+               "combine": "dispatch buffers", "optimizer": "optimizer update"}
 
 # Op classes, as XLA's fusion treats them (the walk's rules read these).
 ELEMENTWISE = {

@@ -119,6 +119,7 @@ class Transformer(nnx.Module):
     if self.moe_blocks is None:
       no_layers = jnp.zeros((0,), jnp.float32)
       return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
+                                overflow_rounds=no_layers,
                                 load_E=jnp.zeros((0, self.num_experts), jnp.float32))
     return run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS, remat=self.remat,
                      rng=rng, first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll)

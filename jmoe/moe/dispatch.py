@@ -7,6 +7,9 @@ dispatcher
   dispatch(x_TD, expert_ids_TK, weights_TK) -> (Rows, context)
       applies the capacity (if any) to this device's own routed copies, moves each copy to the
       device of its expert, and hands the experts their rows sorted by local expert;
+  overflow(context, experts, weights) -> context
+      runs the experts on the copies the first exchange could not carry (only the all-to-all
+      dispatcher has any: its buffers follow the load, and the rest travels in later rounds);
   combine(y_XD, context) -> y_TD
       moves the experts' outputs back to their tokens and sums each token's k outputs with their
       routing weights.
@@ -76,21 +79,29 @@ class Dispatcher(abc.ABC):
   """Moves routed token copies between this device and the devices of their experts.
 
   `axes`: the expert layout's mesh axes; `num_local`: the experts on this device;
-  `capacity_factor` (None or 0: dropless) and `drop_policy` as in `MoEConfig`; `fp8`: token rows
-  cross devices as float8 with row scales.
+  `capacity_factor` (None or 0: dropless), `drop_policy` and `dispatch_factor` as in `MoEConfig`;
+  `fp8`: token rows cross devices as float8 with row scales.
   """
 
   def __init__(self, axes: ExpertAxes, num_local: int, capacity_factor: float | None = None,
-               drop_policy: str = "probability", fp8: bool = False):
+               drop_policy: str = "probability", fp8: bool = False,
+               dispatch_factor: float = 1.25):
     self.axes, self.num_local = axes, num_local
     self.num_experts = axes.num_expert_shards * num_local
     self.capacity_factor, self.drop_policy, self.fp8 = capacity_factor, drop_policy, fp8
+    self.dispatch_factor = dispatch_factor
 
   @abc.abstractmethod
   def dispatch(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array
                ) -> tuple[Rows, Any]:
     """This device's routed copies -> the rows of its local experts, and what combine needs
-    (a pytree with the copies' `dropped_fraction`)."""
+    (a pytree with the copies' `dropped_fraction` and the `overflow_rounds` the exchange
+    needed)."""
+
+  def overflow(self, context: Any, experts: Callable[[Rows, Any], jax.Array], weights) -> Any:
+    """The context with the experts' outputs for the copies `dispatch`'s rows left out, computed
+    by `experts(rows, weights)`; unchanged when the rows hold every copy, as here."""
+    return context
 
   @abc.abstractmethod
   def combine(self, y_XD: jax.Array, context: Any) -> jax.Array:
@@ -118,6 +129,7 @@ class SortedContext:
   inverse_X: jax.Array
   weights_TK: jax.Array  # the routing weights, zero for the copies computed elsewhere
   dropped_fraction: jax.Array
+  overflow_rounds: jax.Array  # int32 0: one exchange carries every copy
 
 
 def local_choice(expert_ids_TK: jax.Array, num_local: int, axes: ExpertAxes):
@@ -141,7 +153,7 @@ class LocalDispatcher(Dispatcher):
     rows, s = rows_by_local_expert(x_TD, local_TK, self.num_local, mean_rows)
     return rows, SortedContext(order_X=s.order_X, inverse_X=s.inverse_X,
                                weights_TK=jnp.where(mine_TK, weights_TK, 0.0),
-                               dropped_fraction=dropped)
+                               dropped_fraction=dropped, overflow_rounds=jnp.zeros((), jnp.int32))
 
   def combine(self, y_XD, context: SortedContext):
     return self._reduce(combine(y_XD, context.order_X, context.inverse_X, context.weights_TK))
@@ -156,25 +168,27 @@ class LocalDispatcher(Dispatcher):
 # One device and no mesh: every exchange is empty.
 LOCAL_AXES = ExpertAxes(tokens=(), expert=(), tensor=(), num_expert_shards=1, num_tensor_shards=1)
 
-Stages = Callable[..., tuple[jax.Array, jax.Array]]
+Stages = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def on_expert_shards(layout: Layout | None, stages: Stages, x_TD, expert_ids_TK, weights_TK,
-                     experts, *, check_vma: bool = True) -> tuple[jax.Array, jax.Array]:
-  """`stages(axes, x_TD, expert_ids_TK, weights_TK, experts) -> (y_TD, dropped_fraction)` on each
-  device's share of the tokens and experts: inside `jax.shard_map` over `layout`'s mesh (tokens
-  split over every device, experts as the expert layout says), or directly without a layout.
-  `experts` is an `ExpertWeights`; `check_vma=False` for GEMMs whose gradients drop shard_map's
-  varying-axes types. Returns y_TD and the dropped fraction averaged over the devices."""
+                     experts, *, check_vma: bool = True
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """`stages(axes, x_TD, expert_ids_TK, weights_TK, experts) -> (y_TD, dropped_fraction,
+  overflow_rounds)` on each device's share of the tokens and experts: inside `jax.shard_map` over
+  `layout`'s mesh (tokens split over every device, experts as the expert layout says), or
+  directly without a layout. `experts` is an `ExpertWeights`; `check_vma=False` for GEMMs whose
+  gradients drop shard_map's varying-axes types. Returns y_TD, the dropped fraction averaged over
+  the devices, and the overflow rounds (the same on every device)."""
   if layout is None:
     return stages(LOCAL_AXES, x_TD, expert_ids_TK, weights_TK, experts)
   axes = layout.expert_axes
 
   def body(x_TD, expert_ids_TK, weights_TK, experts):
-    y_TD, dropped = stages(axes, x_TD, expert_ids_TK, weights_TK, experts)
-    return y_TD, jax.lax.pmean(dropped, axes.tokens)
+    y_TD, dropped, rounds = stages(axes, x_TD, expert_ids_TK, weights_TK, experts)
+    return y_TD, jax.lax.pmean(dropped, axes.tokens), rounds
 
   tokens = P(axes.tokens)
   return jax.shard_map(
       body, mesh=layout.mesh, in_specs=(tokens, tokens, tokens, experts.specs(axes)),
-      out_specs=(tokens, P()), check_vma=check_vma)(x_TD, expert_ids_TK, weights_TK, experts)
+      out_specs=(tokens, P(), P()), check_vma=check_vma)(x_TD, expert_ids_TK, weights_TK, experts)

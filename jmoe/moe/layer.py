@@ -13,9 +13,10 @@ from jmoe.config import MoEConfig
 from jmoe.errors import choice
 from jmoe.moe.allgather import AllGatherDispatcher
 from jmoe.moe.alltoall import AllToAllDispatcher
-from jmoe.moe.dispatch import Dispatcher, LocalDispatcher, on_expert_shards
+from jmoe.moe.dispatch import Dispatcher, LocalDispatcher, Stages, on_expert_shards
 from jmoe.moe.experts import ExpertCompute, ExpertWeights
 from jmoe.moe.route import RouterStats, route
+from jmoe.ops.exchange import varying_like
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
 from jmoe.parallel import ExpertAxes, active_layout
@@ -33,6 +34,34 @@ class ExpertBias(nnx.Variable):
 def bias_step(bias_E: jax.Array, load_E: jax.Array, rate: float) -> jax.Array:
   """bias += rate * sign(mean load - load), per layer: under-used experts become likelier."""
   return bias_E + rate * jnp.sign(jnp.mean(load_E, axis=-1, keepdims=True) - load_E)
+
+
+def moe_stages(make_dispatcher: Callable[[ExpertAxes, int], Dispatcher], compute: ExpertCompute,
+               chunks: int = 1) -> Stages:
+  """dispatch -> experts -> overflow -> combine on one device's tokens and experts (for
+  `on_expert_shards`), in `chunks` independent pieces of the tokens, so that XLA may overlap one
+  piece's exchange with another's expert GEMMs. `make_dispatcher(axes, num_local)`."""
+
+  def stages(axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK, experts: ExpertWeights):
+    dispatcher = make_dispatcher(axes, experts.num_experts)
+    experts = varying_like(experts, x_TD)  # one gradient sum for every use below
+    run_experts = lambda rows, weights: compute(rows, weights, axes)
+    pieces = zip(*(jnp.split(a, chunks) for a in (x_TD, expert_ids_TK, weights_TK)))
+    outputs = []
+    for piece in pieces:
+      with jax.named_scope("dispatch"):
+        rows, context = dispatcher.dispatch(*piece)
+      with jax.named_scope("experts"):
+        y_XD = run_experts(rows, experts)
+      with jax.named_scope("overflow"):
+        context = dispatcher.overflow(context, run_experts, experts)
+      with jax.named_scope("combine"):
+        y_TD = dispatcher.combine(y_XD, context)
+      outputs.append((y_TD, context.dropped_fraction, context.overflow_rounds))
+    y_TD, dropped, rounds = zip(*outputs)
+    return (jnp.concatenate(y_TD) if chunks > 1 else y_TD[0], sum(dropped) / chunks, sum(rounds))
+
+  return stages
 
 
 class MoE(nnx.Module):
@@ -73,31 +102,28 @@ class MoE(nnx.Module):
                       balance_groups=self._balance_groups(batch, layout))
     fp8 = self.fp8
     compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
-
-    def stages(axes: ExpertAxes, x_TD, expert_ids_TK, weights_TK, experts: ExpertWeights):
-      """One device's tokens and experts."""
-      dispatcher = self._dispatcher(axes, experts.num_experts, layout is None)
-      with jax.named_scope("dispatch"):
-        rows, context = dispatcher.dispatch(x_TD, expert_ids_TK, weights_TK)
-      with jax.named_scope("experts"):
-        y_XD = compute(rows, experts, axes)
-      with jax.named_scope("combine"):
-        y_TD = dispatcher.combine(y_XD, context)
-      return y_TD, context.dropped_fraction
-
-    y_TD, dropped = on_expert_shards(layout, stages, x_TD, routing.expert_ids_TK,
-                                     routing.weights_TK, self._expert_weights(),
-                                     check_vma=compute.grouped.keeps_varying_axes)
+    stages = moe_stages(lambda axes, num_local: self._dispatcher(axes, num_local, layout is None),
+                        compute, self.cfg.dispatch_chunks)
+    y_TD, dropped, rounds = on_expert_shards(layout, stages, x_TD, routing.expert_ids_TK,
+                                             routing.weights_TK, self._expert_weights(),
+                                             check_vma=compute.grouped.keeps_varying_axes)
     y_BSD = y_TD.reshape(batch, seq, d_model)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)
-    return y_BSD, routing.stats.replace(dropped_fraction=dropped)
+    return y_BSD, routing.stats.replace(dropped_fraction=dropped,
+                                        overflow_rounds=rounds.astype(jnp.float32))
 
   def _dispatcher(self, axes: ExpertAxes, num_local: int, local: bool) -> Dispatcher:
+    """The configured dispatcher; with no expert axes every expert is here (or on the devices
+    of its expert-tensor group), and both dispatchers are the all-gather one, the same code."""
     cfg = self.cfg
-    kind = LocalDispatcher if local else DISPATCHERS[cfg.dispatcher]
+    if local:
+      kind = LocalDispatcher
+    else:
+      kind = DISPATCHERS[cfg.dispatcher] if axes.expert else AllGatherDispatcher
     fp8_dispatch = bool(self.fp8 and self.fp8.dispatch) and not local
-    return kind(axes, num_local, cfg.capacity_factor, cfg.drop_policy, fp8_dispatch)
+    return kind(axes, num_local, cfg.capacity_factor, cfg.drop_policy, fp8_dispatch,
+                cfg.dispatch_factor)
 
   def _expert_weights(self) -> ExpertWeights:
     cast = lambda p: None if p is None else p[...].astype(self.dtype)

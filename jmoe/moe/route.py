@@ -26,6 +26,9 @@ class RouterStats:
   z_loss: jax.Array  # mean over tokens of logsumexp(logits)^2
   load_E: jax.Array  # fraction of the T*K routed token copies that chose each expert
   dropped_fraction: jax.Array  # of the T*K copies, the share dropped for capacity (0 if dropless)
+  # exchanges the all-to-all dispatch needed after its first (0: every device's copies fit
+  # moe.dispatch_factor's buffers)
+  overflow_rounds: jax.Array
 
 
 @struct.dataclass
@@ -95,6 +98,6 @@ def route(logits_TE: jax.Array, cfg: RouterConfig, top_k: int, *,
       aux_loss=balance_loss(probs_TE, expert_ids_TK, balance_groups),
       z_loss=jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE, axis=-1))),
       load_E=counts_E / (num_tokens * top_k),
-      dropped_fraction=jnp.zeros((), jnp.float32))
+      dropped_fraction=jnp.zeros((), jnp.float32), overflow_rounds=jnp.zeros((), jnp.float32))
   return Routing(expert_ids_TK=expert_ids_TK.astype(jnp.int32), weights_TK=weights_TK,
                  stats=stats)

@@ -49,3 +49,17 @@ def all_to_all(axes: tuple[str, ...], fp8: bool = False) -> Collective:
 def reduce_scatter(axes: tuple[str, ...]) -> Collective:
   """The sum over `axes` of every device's rows; each device keeps its own block of them."""
   return lambda a: jax.lax.psum_scatter(a, axes, scatter_dimension=0, tiled=True)
+
+
+def varying_like(tree, x: jax.Array):
+  """`tree`'s arrays marked as varying over every mesh axis x varies over (inside
+  `jax.shard_map`; nothing to do when it does not check them). Arrays the same on several
+  devices, such as expert weights over their data axes, get their gradients summed over those
+  axes where this is transposed: once, wherever the arrays are used after it."""
+  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+
+  def cast(a):
+    missing = tuple(sorted(varying(x) - varying(a)))
+    return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+  return jax.tree.map(cast, tree)

@@ -51,6 +51,11 @@ def check_batch_fits(config: Config, layout: Layout) -> None:
     raise ConfigError(
         f"the MoE layers split a micro-batch's {micro} x {config.data.seq_len} tokens over all "
         f"{devices} devices; choose data.seq_len or the micro-batch so that they divide")
+  chunks = config.moe.dispatch_chunks
+  if (micro * config.data.seq_len // devices) % chunks:
+    raise ConfigError(
+        f"moe.dispatch_chunks ({chunks}) must divide the {micro * config.data.seq_len // devices} "
+        f"tokens each device holds in the MoE layers")
 
 
 def train(config: Config, workdir: str | pathlib.Path, *, progress: bool = True,

@@ -61,7 +61,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
                     "expert_load": stats.load_E / num_micro,
-                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro})
+                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro,
+                    "overflow_rounds": jnp.mean(stats.overflow_rounds) / num_micro})
     return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn
@@ -143,14 +144,16 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
 
 
 def compile_train_step(config: Config, layout: Layout, spec: StateSpec,
-                       optimizer: AdamW, batch: dict) -> jax.stages.Compiled:
+                       optimizer: AdamW, batch: dict,
+                       compiler_options: dict | None = None) -> jax.stages.Compiled:
   """The train step compiled for `layout`: the state placed as `spec` says and donated, the batch
-  split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes)."""
+  split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes), with XLA's
+  `compiler_options` if given."""
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
   with layout.active():  # the model's sharding annotations read the layout while tracing
     return jax.jit(step, in_shardings=(spec.shardings, layout.batch),
                    out_shardings=(spec.shardings, layout.replicated),
-                   donate_argnums=0).lower(spec.abstract, batch).compile()
+                   donate_argnums=0).lower(spec.abstract, batch).compile(compiler_options)
 
 
 def make_eval_step(graphdef: nnx.GraphDef, config: Config) -> Callable:
