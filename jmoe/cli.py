@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import Callable
 
@@ -57,3 +58,26 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
       rest.append(arg)
     i += 1
   return rest, overrides
+
+
+def devices_for(count: int | None, argv_given: bool) -> tuple[list, bool]:
+  """The first `count` devices at hand (all when None) and whether they are simulated: when
+  there are fewer, the command runs itself again in a fresh process with `count` simulated CPU
+  devices (only possible before JAX starts, so not when called from Python: `argv_given`)."""
+  import jax
+  if count is not None and count < 1:
+    raise ConfigError(f"--devices {count}: give a positive number of devices")
+  devices = jax.devices()
+  simulated = os.environ.get("JMOE_SIMULATED_DEVICES") == str(count)
+  if count and count > len(devices):
+    if simulated or argv_given:
+      raise ConfigError(f"--devices {count}: this process has {len(devices)} devices and "
+                        "cannot simulate more once JAX has started")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                   os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    os.environ["JMOE_SIMULATED_DEVICES"] = str(count)
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.argv])
+  return (devices[:count] if count else devices), simulated

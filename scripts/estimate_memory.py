@@ -20,19 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 # Run from anywhere: the repository root (this file's parent's parent) is importable.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def simulate_devices(count: int) -> None:
-  """N CPU devices for tracing a layout this machine does not have (before JAX starts)."""
-  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                 os.environ.get("XLA_FLAGS", ""))
-  os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
-  os.environ["JAX_PLATFORMS"] = "cpu"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--largest", type=int, default=10, help="list this many largest buffers")
   parser.add_argument("--compare", action="store_true",
                       help="also compile the step here and print XLA's per-device bytes")
-  from jmoe.cli import run, split_overrides
+  from jmoe.cli import devices_for, run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 
@@ -58,23 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.parallel import make_layout
     from jmoe.memory import compiled_bytes, estimate
     config = load_config(args.config, overrides)
-    if args.devices is not None and args.devices < 1:
-      raise ConfigError(f"--devices {args.devices}: give a positive number of devices")
     if args.device_memory_gib < 0:
       raise ConfigError(f"--device-memory-gib {args.device_memory_gib} must be >= 0")
-    devices = jax.devices()
-    simulated = os.environ.get("JMOE_SIMULATED_DEVICES") == str(args.devices)
-    if args.devices and args.devices > len(devices):
-      if simulated or argv is not None:
-        raise ConfigError(f"--devices {args.devices}: this process has {len(devices)} devices "
-                          "and cannot simulate more once JAX has started")
-      # Again, in a fresh process with that many simulated CPU devices.
-      simulate_devices(args.devices)
-      os.environ["JMOE_SIMULATED_DEVICES"] = str(args.devices)
-      sys.stdout.flush()
-      os.execv(sys.executable, [sys.executable, *sys.argv])
-    if args.devices:
-      devices = devices[:args.devices]
+    devices, simulated = devices_for(args.devices, argv is not None)
     if args.compare and simulated:
       raise ConfigError("--compare compiles on the devices at hand; these are simulated")
     platform = args.platform or ("gpu" if simulated else jax.default_backend())

@@ -71,7 +71,7 @@ def test_alltoall_later_rounds_match_single_device(name, reference):
   loss, metrics, grads = loss_and_grads(config, jax.devices())
   assert metrics["overflow_rounds"] > 0
   ref_loss, ref_metrics, ref_grads = reference["alltoall"]
-  assert ref_metrics["overflow_rounds"] == 0
+  assert "overflow_rounds" not in ref_metrics  # one device: no exchange, no rounds to count
   assert_matches(loss, grads, ref_loss, ref_grads)
 
 

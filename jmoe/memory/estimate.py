@@ -118,10 +118,16 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
   """What XLA's compiled train step takes per device: its arguments (the state, donated, and the
   batch), the outputs that do not reuse them, and its temporaries. Compiles; for checking the
   estimate on devices at hand."""
-  optimizer, spec, batch = _step_inputs(config, layout)
-  m = compile_train_step(config, layout, spec, optimizer, batch).memory_analysis()
+  m = compiled_step(config, layout).memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
           + m.temp_size_in_bytes)
+
+
+def compiled_step(config: Config, layout: Layout,
+                  compiler_options: dict | None = None) -> jax.stages.Compiled:
+  """The config's train step compiled for `layout`, from shapes alone."""
+  optimizer, spec, batch = _step_inputs(config, layout)
+  return compile_train_step(config, layout, spec, optimizer, batch, compiler_options)
 
 
 def function_peak(fn, *args, platform: str = "gpu") -> int:

@@ -124,6 +124,19 @@ def _storage(jaxpr: Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict
   return kept, last_use
 
 
+def _operands_of(eqn: Eqn, ins: list) -> list[list]:
+  """What each of a structured op's bodies (`eqn.subs`, in their order) receives of its inputs:
+  a loop's body its constants and carry, its condition its own constants and the carry; a
+  conditional's branches its operands (not the branch index)."""
+  if eqn.name == "while":
+    cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    by_jaxpr = {"body_jaxpr": ins[cond:], "cond_jaxpr": ins[:cond] + ins[cond + body:]}
+    return [by_jaxpr[key] for key in ("body_jaxpr", "cond_jaxpr") if eqn.params.get(key)]
+  if eqn.name == "cond":
+    return [ins[1:]] * len(eqn.subs)
+  return [ins] * len(eqn.subs)
+
+
 def _live(jaxpr: Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
   """Runs the program over its buffers: the most bytes live at once, what they are, and where."""
   dies_after: dict[int, list] = {}
@@ -234,13 +247,15 @@ class Walker:
     subs = [] if eqn.fused else eqn.subs  # a fused kernel's insides are its own
     if subs:  # while, cond: the largest of the bodies or branches
       results = []
-      for sub in subs:
+      for sub, sub_ins in zip(subs, _operands_of(eqn, ins)):
         flat = flatten(sub, Where(backward=eqn.backward, kind=eqn.where.kind))
         sub_env = {v: (value or Value(0, None, "activations"))
-                   for v, value in zip(flat.invars[-len(ins):] if ins else [], ins)}
+                   for v, value in zip(flat.invars, sub_ins)}
         results.append(self.walk(flat, sub_env, local=local,
                                  outer_split=max(split, self._split_of(ins))))
       inner = max(results, key=lambda r: r.peak)
+      if name == "while":
+        inner = self._materialised(eqn, ins, inner)
       outs = []
       for k, v in enumerate(eqn.outvars):
         options = [r.outs[k] for r in results if k < len(r.outs)]
@@ -333,6 +348,25 @@ class Walker:
           else weight_kind
       outs.append(Value(0, d, kind, const=value.const))
     return outs, inner
+
+  def _materialised(self, eqn: Eqn, ins, inner: _Walk) -> _Walk:
+    """A loop's operands are buffers of their own: the values that were fused into their
+    consumers (a broadcast of zeros) or read in place (a layer's slice of a scan's stacks) are
+    made in full before it, and live while it runs."""
+    extra: dict[str, int] = {}
+    seen = set()
+    for v, value in zip(eqn.invars, ins):
+      if is_literal(v) or v in seen or value is None or value.bytes or value.kind == "host":
+        continue
+      seen.add(v)
+      kind = "weight copies" if value.kind == "parameters" else value.kind
+      extra[kind] = extra.get(kind, 0) + nbytes(v.aval, value.d or 1)
+    if not extra:
+      return inner
+    at_peak = dict(inner.at_peak)
+    for kind, b in extra.items():
+      at_peak[kind] = at_peak.get(kind, 0) + b
+    return dataclasses.replace(inner, peak=inner.peak + sum(extra.values()), at_peak=at_peak)
 
   def _scan(self, eqn: Eqn, ins, local: bool, split: int):
     body = flatten(eqn.subs[0], Where(backward=eqn.backward, kind=eqn.where.kind))

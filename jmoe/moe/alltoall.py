@@ -15,7 +15,8 @@ same collectives, and no copy is dropped. The rounds run in a loop (`late_rows`)
 pass computes each round again instead of keeping it, so they cost nothing when routing fits the
 blocks and memory stays at one round's buffers when it does not. The `overflow_rounds` metric
 counts them; raise `moe.dispatch_factor` if it is often above 0 (at or above the expert-parallel
-size the first round always carries everything, the worst-case buffers).
+size the first round always carries everything, in the worst-case buffers, and the program
+has no later rounds).
 
 With a capacity factor the blocks are no larger than what the peer's experts may take. With `fp8`
 the token rows travel as float8 (jmoe/ops/exchange.py); their gradients, and the results, in full
@@ -47,6 +48,9 @@ class Routes:
   first_E: jax.Array  # expert e's first such place on its peer
   count_E: jax.Array  # its copies from this device
   block: int = struct.field(pytree_node=False)  # rows per peer per round
+  # False when one round always carries every copy (blocks of all rows, or of all a capacity
+  # lets the peer's experts take): the program then has no later rounds at all.
+  may_overflow: bool = struct.field(pytree_node=False)
 
 
 @struct.dataclass
@@ -81,6 +85,8 @@ class AllToAllDispatcher(Dispatcher):
         overflow_rounds=self._rounds_after_first(routes))
 
   def overflow(self, context: AllToAllContext, experts: Experts, weights) -> AllToAllContext:
+    if not context.routes.may_overflow:
+      return context
     mean_rows = self._mean_rows(*context.weights_TK.shape) / self.axes.num_tensor_shards
     late = late_rows(lambda x_TD, w, routes, r: self._late_round(x_TD, w, routes, r, experts,
                                                                  mean_rows),
@@ -106,8 +112,10 @@ class AllToAllDispatcher(Dispatcher):
     num_local, peers = self.num_local, self.axes.num_expert_shards
     num_rows = ids_X.shape[0]
     block = min(num_rows, math.ceil(self.dispatch_factor * num_rows / peers))
+    most = num_rows  # that one peer may be sent
     if max_rows_per_expert is not None:  # a capacity bounds what a peer's experts take
-      block = min(block, num_local * max_rows_per_expert)
+      most = min(most, num_local * max_rows_per_expert)
+      block = min(block, most)
     count_E1 = jnp.zeros((self.num_experts + 1,), jnp.int32).at[ids_X].add(1)  # E: dropped
     start_E1 = jnp.cumsum(count_E1) - count_E1
     peer_start_P1 = jnp.append(start_E1[:-1:num_local], start_E1[-1])
@@ -117,10 +125,12 @@ class AllToAllDispatcher(Dispatcher):
     peer_E = jnp.arange(self.num_experts) // num_local
     return Routes(peer_X=peer_X, rank_X=position_X - peer_start_P1[peer_X],
                   first_E=start_E1[:-1] - peer_start_P1[peer_E], count_E=count_E1[:-1],
-                  block=block)
+                  block=block, may_overflow=block < most)
 
   def _rounds_after_first(self, routes: Routes) -> jax.Array:
     """Rounds past the first that the most loaded (device, peer) pair needs, agreed by all."""
+    if not routes.may_overflow:
+      return jnp.zeros((), jnp.int32)
     per_peer_P = jnp.sum(routes.count_E.reshape(-1, self.num_local), axis=1)
     rounds = jnp.max(-(-per_peer_P // routes.block)) - 1
     return jax.lax.pmax(jnp.maximum(rounds, 0), self.axes.tokens)

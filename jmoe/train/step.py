@@ -31,6 +31,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
   depth = config.model.mtp_depth
   compute_dtype = DTYPES[config.precision.compute]
+  # Only the all-to-all dispatch over several expert shards has later rounds to count.
+  rounds_possible = config.moe.dispatcher == "alltoall" and config.parallel.expert.expert != 1
 
   def loss_fn(params, rest, batch, counts, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
@@ -61,8 +63,9 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
                     "expert_load": stats.load_E / num_micro,
-                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro,
-                    "overflow_rounds": jnp.mean(stats.overflow_rounds) / num_micro})
+                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro})
+    if rounds_possible:  # elsewhere always 0
+      metrics["overflow_rounds"] = jnp.mean(stats.overflow_rounds) / num_micro
     return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn

@@ -1,0 +1,95 @@
+"""The communication report (jmoe/memory/traffic.py, scripts/comm_volume.py): each collective's
+bytes on a program whose traffic is known by hand, and the all-to-all dispatcher's bytes against
+the rows its routing moves."""
+
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jmoe.config import load_config
+from jmoe.memory.traffic import collective_traffic, communication
+from jmoe.parallel import make_layout
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+N = 8  # devices
+
+
+def test_each_collective_counts_as_a_ring_sends_it():
+  """Every kind once, an all-to-all in a scan of 3 trips and one in a loop whose trip count
+  depends on the data (reported per round): [8, 16] float32 blocks, 512 bytes per device."""
+  mesh = jax.make_mesh((N,), ("x",))
+  a2a = lambda x: jax.lax.all_to_all(x, "x", 0, 0, tiled=True)
+
+  def body(x_8x16, trips):
+    y = a2a(x_8x16)
+    y = jax.lax.fori_loop(0, 3, lambda i, c: a2a(c * 1.5), y)
+    total = jax.lax.psum(y[0], "x")  # [16]
+    gathered = jax.lax.all_gather(y[:2], "x", tiled=True)  # [16, 16]
+    scattered = jax.lax.psum_scatter(y, "x", tiled=True)  # [1, 16]
+    rounds = jax.lax.while_loop(lambda c: c[1] < trips[0],
+                                lambda c: (a2a(c[0] + 1), c[1] + 1), (y, 0))[0]
+    moved = jax.lax.ppermute(y, "x", [(i, (i + 1) % N) for i in range(N)])
+    return rounds + moved + total + gathered.sum(0) + scattered
+
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+  compiled = step.lower(
+      jax.ShapeDtypeStruct((N * 8, 16), jnp.float32, sharding=NamedSharding(mesh, P("x"))),
+      jax.ShapeDtypeStruct((1,), jnp.int32, sharding=NamedSharding(mesh, P()))).compile()
+  traffic = collective_traffic(compiled.as_text(), N)
+  block = 8 * 16 * 4
+  assert traffic.every_step == {
+      "all-to-all": 4 * block * (N - 1) / N,  # once, then 3 trips
+      "all-gather": 16 * 16 * 4 * (N - 1) / N,
+      "reduce-scatter": 16 * 4 * (N - 1),
+      "all-reduce": 2 * 16 * 4 * (N - 1) / N,
+      "collective-permute": block}
+  assert traffic.per_round["all-to-all"] == block * (N - 1) / N
+  assert sum(traffic.if_taken.values()) == 0
+
+
+def tiny(*overrides):
+  return load_config(ROOT / "configs/tiny_moe.py", [
+      "moe.dispatcher=alltoall", "moe.router.force_balanced=true", "precision.compute=bfloat16",
+      "parallel.expert.data=1", "parallel.expert.expert=8", *overrides])
+
+
+def test_alltoall_sends_the_dispatch_factor_times_the_routed_rows():
+  """EP 8, balanced: the copies cross in blocks of dispatch_factor x the mean rows per peer, in
+  bfloat16 (the CPU build's float32 widening undone); with blocks for the worst case (factor 8,
+  as every copy of a device's tokens could go to one peer) it is EP times the rows."""
+  config = tiny()
+  report = communication(config, make_layout(config.parallel))
+  assert report["all_to_all_over_routed"] == pytest.approx(config.moe.dispatch_factor, rel=0.01)
+  assert report["all_to_all_over_routed"] <= 1.5
+  assert report["per_overflow_round"]["all-to-all"] > 0  # the rounds a skewed routing adds
+  config = tiny("moe.dispatch_factor=8.0")
+  worst = communication(config, make_layout(config.parallel))
+  assert worst["all_to_all_over_routed"] == pytest.approx(8.0, rel=0.01)
+  assert "all-to-all" not in worst["per_overflow_round"]  # every load fits: no later round
+
+
+def test_allgather_dispatch_sends_no_all_to_all():
+  config = tiny("moe.dispatcher=allgather")
+  report = communication(config, make_layout(config.parallel))
+  assert report["bytes_per_device"]["all-to-all"] == 0
+  assert report["all_to_all_over_routed"] == 0
+  assert report["bytes_per_device"]["all-gather"] > 0
+
+
+def test_script_prints_one_json_line(capsys):
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import comm_volume
+  assert comm_volume.main(["--config", str(ROOT / "configs/tiny_moe.py"),
+                           "--config.moe.dispatcher=alltoall", "--config.parallel.expert.data=2",
+                           "--config.parallel.expert.expert=4"]) == 0
+  out = capsys.readouterr().out.strip().splitlines()
+  assert "all-to-all / routed = 1.250" in "\n".join(out)
+  record = json.loads(out[-1])
+  assert record["devices"] == 8 and record["all_to_all_over_routed"] == pytest.approx(1.25, 0.01)
+  assert set(record["bytes_per_device"]) == {"all-to-all", "all-gather", "reduce-scatter",
+                                             "all-reduce", "collective-permute"}
