@@ -150,6 +150,10 @@ class ExpertLayout:
 class ParallelConfig:
   dense: DenseLayout = field(default_factory=DenseLayout)
   expert: ExpertLayout = field(default_factory=ExpertLayout)
+  # Pipeline stages: the MoE blocks split into this many groups of consecutive layers, each on
+  # its own devices (the mesh's outermost axis); dense and expert layouts are those of one stage.
+  pipeline: int = 1
+  pipeline_repeats: int = 1  # layer groups per stage, visited in turn (circular stages)
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,39 @@ def _other(config: Config):
         yield f"parallel.{group}.{name} must be -1 (the rest of the devices) or positive, got {size}"
     if list(sizes.values()).count(-1) > 1:
       yield f"parallel.{group}: at most one size may be -1, got {sizes}"
+  yield from _pipeline(config)
   if config.moe.num_experts % max(config.parallel.expert.expert, 1):
     yield (f"moe.num_experts ({config.moe.num_experts}) must be a multiple of "
            f"parallel.expert.expert ({config.parallel.expert.expert})")
   if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
     yield "checkpoint.every must be >= 0 and checkpoint.keep >= 1"
+
+
+def _pipeline(config: Config):
+  p = config.parallel
+  if p.pipeline < 1 or p.pipeline_repeats < 1:
+    yield (f"parallel.pipeline ({p.pipeline}) and parallel.pipeline_repeats "
+           f"({p.pipeline_repeats}) must be >= 1")
+    return
+  if p.pipeline == 1:
+    if p.pipeline_repeats > 1:
+      yield "parallel.pipeline_repeats > 1 needs pipeline stages: set parallel.pipeline > 1"
+    return
+  moe_layers = config.model.num_layers - config.moe.first_k_dense
+  groups = p.pipeline * p.pipeline_repeats
+  if moe_layers <= 0:
+    yield ("parallel.pipeline splits the MoE layers into stages, and this model has none "
+           "(moe.first_k_dense = model.num_layers)")
+  elif moe_layers % groups:
+    yield (f"the {moe_layers} MoE layers do not split into parallel.pipeline x "
+           f"parallel.pipeline_repeats = {groups} equal groups; choose stages and repeats whose "
+           f"product divides {moe_layers}")
+  micro = config.train.num_micro_batches
+  if p.pipeline_repeats > 1 and micro < p.pipeline:
+    yield (f"circular stages (parallel.pipeline_repeats > 1) need at least as many micro-batches "
+           f"as stages: train.batch_size / train.micro_batch_size is {micro}, parallel.pipeline "
+           f"is {p.pipeline}; lower train.micro_batch_size")
+  if config.precision.gemm == "fp8" and config.precision.fp8_recipe == "delayed":
+    yield ("precision.fp8_recipe=delayed keeps one amax history per GEMM, which every micro-batch "
+           "in the pipeline's stages would update at once: use fp8_recipe=current with "
+           "parallel.pipeline > 1")

@@ -12,12 +12,13 @@ from flax import nnx
 from jmoe.ops.remat import REMAT_POLICIES
 
 def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
-               rngs: nnx.Rngs) -> nnx.Module:
-  """Builds `num_layers` independent layers as one module whose parameters have a leading axis."""
+               rngs: nnx.Rngs, axis: str = "layers") -> nnx.Module:
+  """Builds `num_layers` independent layers as one module whose parameters have a leading axis
+  (logical name `axis`: `stage_layers` for the stack that pipeline stages split)."""
 
   @nnx.split_rngs(splits=num_layers)
   @nnx.vmap(in_axes=0, out_axes=0,
-            transform_metadata={nnx.PARTITION_NAME: "layers", "axes": "layers"})
+            transform_metadata={nnx.PARTITION_NAME: axis, "axes": axis})
   def create(rngs: nnx.Rngs) -> nnx.Module:
     return make_layer(rngs)
 
@@ -25,14 +26,16 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
 
 
 def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None,
-              first_layer: int = 0, unroll: int = 1):
+              first_layer: int | jax.Array = 0, unroll: int = 1, keys: jax.Array | None = None):
   """Runs x through every layer: `x, y = layer(x, *args, rng=key, layer=index)`, each layer with
-  its own key from `rng` (or None) and its index in the whole model (the stack starting at
-  `first_layer`); returns the last x and the stacked ys. `unroll` layers run per iteration of
-  the loop (as many as the stack has: straight-line code, no loop buffers to fill)."""
+  its own key (from `keys`, one per layer, or split from `rng`; or None) and its index in the
+  whole model (the stack starting at `first_layer`); returns the last x and the stacked ys.
+  `unroll` layers run per iteration of the loop (as many as the stack has: straight-line code,
+  no loop buffers to fill)."""
   graphdef, state = nnx.split(stack)
   num_layers = jax.tree.leaves(state)[0].shape[0]
-  keys = None if rng is None else jax.random.split(rng, num_layers)
+  if keys is None and rng is not None:
+    keys = jax.random.split(rng, num_layers)
   indices = first_layer + jnp.arange(num_layers)
 
   def body(carry, layer):

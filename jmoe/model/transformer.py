@@ -10,11 +10,12 @@ from jmoe.config import ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
+from jmoe.model.pipeline import run_pipeline
 from jmoe.model.stack import make_stack, run_stack
 from jmoe.moe import RouterStats, bias_step
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import active_layout, constrain
 
 LOGITS_AXES = ("act_batch", "act_seq", "act_vocab")  # split over the vocabulary with TP
 
@@ -38,7 +39,7 @@ class Transformer(nnx.Module):
     self.num_experts = moe.num_experts
     self.moe_blocks = (  # None: a dense model (as upcycling starts from)
         make_stack(lambda r: Block(cfg, moe, rngs=r, **kw), cfg.num_layers - moe.first_k_dense,
-                   rngs)
+                   rngs, axis="stage_layers")
         if moe.first_k_dense < cfg.num_layers else None)
     self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.head_DV = (
@@ -49,34 +50,38 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
                segment_ids_BS: jax.Array | None = None, *,
-               rng: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+               rng: jax.Array | None = None, micro_batches: int = 1
+               ) -> tuple[jax.Array, RouterStats]:
     """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers).
 
     Packed rows pass each token's position in its document and its document's segment id (tokens
     attend only within their document); by default a row is one document. `rng` is for
-    training-time noise (router jitter); without it the model is deterministic.
+    training-time noise (router jitter); without it the model is deterministic. With pipeline
+    stages in the active layout the MoE blocks take the batch in `micro_batches` pieces (router
+    stats: their means).
     """
-    h_BSD, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS, rng=rng)
+    h_BSD, stats = self.hidden(tokens_BS, positions_BS, segment_ids_BS, rng=rng,
+                               micro_batches=micro_batches)
     return self._logits(h_BSD), stats
 
   def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
-             segment_ids_BS: jax.Array | None = None, *, rng: jax.Array | None = None
-             ) -> tuple[jax.Array, RouterStats]:
+             segment_ids_BS: jax.Array | None = None, *, rng: jax.Array | None = None,
+             micro_batches: int = 1) -> tuple[jax.Array, RouterStats]:
     """As `__call__`, but the normed last hidden states the LM head reads (`head_weights`), for
     losses that make the logits themselves a chunk at a time (jmoe/ops/cross_entropy.py)."""
     positions_BS = self._positions(tokens_BS, positions_BS)
-    h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
+    h_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches)
     return self.final_norm(h_BSD), stats
 
   def with_mtp(self, tokens_BS: jax.Array, next_tokens_BLS: jax.Array,
                positions_BS: jax.Array | None = None, segment_ids_BS: jax.Array | None = None,
-               *, rng: jax.Array | None = None):
+               *, rng: jax.Array | None = None, micro_batches: int = 1):
     """Training forward with multi-token prediction: `next_tokens_BLS[:, k]` are the tokens k + 1
     places ahead of `tokens_BS`. Returns (the normed hidden states, each MTP module's [B, depth,
     S, D], router stats of the MoE layers and then the MTP blocks): `head_weights` makes their
     logits."""
     positions_BS = self._positions(tokens_BS, positions_BS)
-    trunk_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng)
+    trunk_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches)
     h_BSD, mtp_out, mtp_stats = trunk_BSD, [], []
     for k, module in enumerate(self.mtp):
       key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
@@ -110,8 +115,9 @@ class Transformer(nnx.Module):
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     return positions_BS
 
-  def _trunk(self, tokens_BS, positions_BS, segment_ids_BS, rng):
-    """The hidden state after the last block (before the final norm) and the MoE router stats."""
+  def _trunk(self, tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches=1):
+    """The hidden state after the last block (before the final norm) and the MoE router stats;
+    the MoE blocks in the active layout's pipeline stages if it has them."""
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
     if self.dense_blocks is not None:
       x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
@@ -121,6 +127,12 @@ class Transformer(nnx.Module):
       return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
                                 overflow_rounds=no_layers,
                                 load_E=jnp.zeros((0, self.num_experts), jnp.float32))
+    layout = active_layout()
+    if layout is not None and layout.stages > 1:
+      return run_pipeline(self.moe_blocks, layout, x_BSD, positions_BS, segment_ids_BS,
+                          micro_batches=micro_batches, remat=self.remat, rng=rng,
+                          first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll,
+                          axes=RESIDUAL_AXES)
     return run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS, remat=self.remat,
                      rng=rng, first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll)
 

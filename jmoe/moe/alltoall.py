@@ -34,7 +34,7 @@ from flax import struct
 
 from jmoe.moe.combine import unsort, weighted_sum
 from jmoe.moe.dispatch import Dispatcher, Rows, rows_by_local_expert
-from jmoe.ops.exchange import all_gather, all_to_all, reduce_scatter
+from jmoe.ops.exchange import all_gather, all_to_all, reduce_scatter, varying_like
 from jmoe.ops.rows import gather_copies, inverse_permutation, move_rows, row_groups
 
 Experts = Callable[[Rows, object], jax.Array]  # (rows, expert weights) -> y_XD
@@ -177,7 +177,7 @@ def late_rows(one_round: Callable, x_TD: jax.Array, weights, constant, rounds: j
 
   def forward(x_TD, weights, constant, rounds):
     shape = jax.eval_shape(one_round, x_TD, weights, constant, 1)
-    zeros = jnp.zeros_like(x_TD, shape=shape.shape, dtype=shape.dtype)
+    zeros = varying_like(jnp.zeros_like(x_TD, shape=shape.shape, dtype=shape.dtype), shape)
     return jax.lax.fori_loop(1, rounds + 1,
                              lambda r, y: y + one_round(x_TD, weights, constant, r), zeros)
 

@@ -104,9 +104,12 @@ class MoE(nnx.Module):
     compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
     stages = moe_stages(lambda axes, num_local: self._dispatcher(axes, num_local, layout is None),
                         compute, self.cfg.dispatch_chunks)
+    # Inside a pipeline stage (vmapped over the stage axis) shard_map cannot type the stage axis
+    # it does not name: its varying-axes checks stay off there, as for GEMMs that drop them.
     y_TD, dropped, rounds = on_expert_shards(layout, stages, x_TD, routing.expert_ids_TK,
                                              routing.weights_TK, self._expert_weights(),
-                                             check_vma=compute.grouped.keeps_varying_axes)
+                                             check_vma=compute.grouped.keeps_varying_axes and
+                                             not (layout is not None and layout.inside))
     y_BSD = y_TD.reshape(batch, seq, d_model)
     if self.shared is not None:
       y_BSD = y_BSD + self.shared(x_BSD)

@@ -51,12 +51,15 @@ def reduce_scatter(axes: tuple[str, ...]) -> Collective:
   return lambda a: jax.lax.psum_scatter(a, axes, scatter_dimension=0, tiled=True)
 
 
-def varying_like(tree, x: jax.Array):
-  """`tree`'s arrays marked as varying over every mesh axis x varies over (inside
-  `jax.shard_map`; nothing to do when it does not check them). Arrays the same on several
-  devices, such as expert weights over their data axes, get their gradients summed over those
-  axes where this is transposed: once, wherever the arrays are used after it."""
-  varying = lambda a: jax.typeof(a).manual_axis_type.varying
+def varying_like(tree, x: jax.Array | jax.ShapeDtypeStruct):
+  """`tree`'s arrays marked as varying over every mesh axis x (an array, or a shape from
+  `jax.eval_shape`) varies over (inside `jax.shard_map`; nothing to do when it does not check
+  them). Arrays the same on several devices, such as expert weights over their data axes, get
+  their gradients summed over those axes where this is transposed: once, wherever the arrays are
+  used after it."""
+  def varying(a):
+    types = (a if isinstance(a, jax.ShapeDtypeStruct) else jax.typeof(a)).manual_axis_type
+    return types.varying if types is not None else frozenset()
 
   def cast(a):
     missing = tuple(sorted(varying(x) - varying(a)))

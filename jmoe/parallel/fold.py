@@ -7,6 +7,9 @@ of both: every stride boundary of either layout starts a new mesh axis, so each 
 is a tuple of consecutive mesh axes. This needs each boundary to divide the next; otherwise the two
 layouts cannot share the devices and the error says which sizes would.
 
+With pipeline stages (`parallel.pipeline` = S) both layouts describe the devices of one stage,
+and the mesh gets one more axis, `stage`, of size S, outermost.
+
 Example, 16 devices, dense (data 4, tensor 4), expert (data 2, expert 8): boundaries 1, 4, 8, 16;
 mesh axes (data/data 2, data/expert 2, tensor/expert 4); dense data = the first two, tensor = the
 last; expert = the last two, expert data = the first.
@@ -31,21 +34,27 @@ class Folding:
   expert: dict[str, tuple[str, ...]]  # expert role -> mesh axes
   dense_sizes: dict[str, int]
   expert_sizes: dict[str, int]
+  stage: tuple[str, ...] = ()  # the pipeline's mesh axis (none without stages)
+  stages: int = 1
+  repeats: int = 1  # layer groups per stage
 
 
-def resolve(group: str, sizes: dict[str, int], num_devices: int) -> dict[str, int]:
-  """Replaces a -1 by the rest of the devices; checks the product."""
+def resolve(group: str, sizes: dict[str, int], num_devices: int, stages: int = 1
+            ) -> dict[str, int]:
+  """Replaces a -1 by the rest of the `num_devices` (of one stage); checks the product."""
+  devices = (f"{num_devices} devices" if stages == 1 else
+             f"{num_devices} devices in each of the {stages} pipeline stages")
   known = math.prod(v for v in sizes.values() if v != -1)
   if -1 in sizes.values():
     if num_devices % known:
       raise ConfigError(
           f"parallel.{group} {sizes}: the sizes other than -1 multiply to {known}, which does not "
-          f"divide the {num_devices} devices")
+          f"divide the {devices}")
     sizes = {k: (num_devices // known if v == -1 else v) for k, v in sizes.items()}
   if math.prod(sizes.values()) != num_devices:
     raise ConfigError(
         f"parallel.{group} {sizes} multiplies to {math.prod(sizes.values())}, but there are "
-        f"{num_devices} devices; make the product {num_devices} or set one size to -1")
+        f"{devices}; make the product {num_devices} or set one size to -1")
   return sizes
 
 
@@ -59,8 +68,13 @@ def _strides(roles: tuple[str, ...], sizes: dict[str, int]) -> dict[str, tuple[i
 
 
 def fold(cfg: ParallelConfig, num_devices: int) -> Folding:
-  dense = resolve("dense", dataclasses.asdict(cfg.dense), num_devices)
-  expert = resolve("expert", dataclasses.asdict(cfg.expert), num_devices)
+  stages = cfg.pipeline
+  if stages < 1 or num_devices % stages:
+    raise ConfigError(f"parallel.pipeline ({stages}) must divide the {num_devices} devices: each "
+                      f"stage gets an equal share")
+  num_devices //= stages
+  dense = resolve("dense", dataclasses.asdict(cfg.dense), num_devices, stages)
+  expert = resolve("expert", dataclasses.asdict(cfg.expert), num_devices, stages)
   dense_strides, expert_strides = _strides(DENSE_ROLES, dense), _strides(EXPERT_ROLES, expert)
   bounds = sorted({b for lo_hi in [*dense_strides.values(), *expert_strides.values()]
                    for b in lo_hi})
@@ -85,10 +99,12 @@ def fold(cfg: ParallelConfig, num_devices: int) -> Folding:
     sizes.append(outer // inner)
     dense_axes[d_role].append(name)
     expert_axes[e_role].append(name)
-  if not names:  # one device: a single axis of size 1 serves every role
+  if not names:  # one device (per stage): a single axis of size 1 serves every role
     names, sizes = ["data/data"], [1]
-    dense_axes["data"], expert_axes["data"] = names, names
-  return Folding(axis_names=tuple(names), axis_sizes=tuple(sizes),
+    dense_axes["data"], expert_axes["data"] = list(names), list(names)
+  stage = ("stage",) if stages > 1 else ()
+  return Folding(axis_names=stage + tuple(names), axis_sizes=(stages,) * len(stage) + tuple(sizes),
                  dense={k: tuple(v) for k, v in dense_axes.items()},
                  expert={k: tuple(v) for k, v in expert_axes.items()},
-                 dense_sizes=dense, expert_sizes=expert)
+                 dense_sizes=dense, expert_sizes=expert, stage=stage, stages=stages,
+                 repeats=cfg.pipeline_repeats)

@@ -30,16 +30,56 @@ class ExpertAxes:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
+  """With pipeline stages, the stage axis splits the stacked MoE blocks (logical axis
+  `stage_layers`); everywhere else (embedding, dense layers first, head, MTP) it is one more
+  data axis for the batch and FSDP axis for the weights. `inside` is the view while a stage's
+  program is traced: there the stage axis is the stages' own (jmoe/model/pipeline.py)."""
   mesh: Mesh
   folding: Folding
+  inside: bool = False
+
+  # ---- pipeline stages
+  @property
+  def stage_axes(self) -> tuple[str, ...]:
+    return self.folding.stage
+
+  @property
+  def stages(self) -> int:
+    return self.folding.stages
+
+  @property
+  def repeats(self) -> int:
+    return self.folding.repeats
+
+  def inside_stages(self) -> Layout:
+    return dataclasses.replace(self, inside=True)
+
+  def on_stages(self, x: jax.Array) -> jax.Array:
+    """x's leading axis split over the stages (the rest as XLA propagates it)."""
+    if not self.stage_axes:
+      return x
+    spec = P(self.stage_axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  @property
+  def _batch_stage(self) -> tuple[str, ...]:
+    """The stage axis where it splits the batch: outside the stages' programs."""
+    return () if self.inside else self.stage_axes
 
   # ---- parameters
   def param_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
+    # Weights outside the stages are FSDP-sharded over the stage axis too.
+    more = () if "stage_layers" in axes else self.stage_axes
+
     def mesh_axes(name):
+      if name == "stage_layers":
+        return self.stage_axes
       if name in rules.EXPERT_PARAMS:
-        return self.folding.expert[rules.EXPERT_PARAMS[name]]
+        role = rules.EXPERT_PARAMS[name]
+        return self.folding.expert[role] + (more if role == "data" else ())
       if name in rules.DENSE_PARAMS:
-        return self.folding.dense[rules.DENSE_PARAMS[name]]
+        role = rules.DENSE_PARAMS[name]
+        return self.folding.dense[role] + (more if role == "fsdp" else ())
       return ()
     return self._spec([mesh_axes(a) if a else () for a in axes], shape)
 
@@ -61,13 +101,15 @@ class Layout:
     groups = []
     for a in axes:
       roles = rules.DENSE_ACTIVATIONS[a] if a else ()
-      groups.append(tuple(ax for role in roles for ax in self.folding.dense[role]))
+      group = tuple(ax for role in roles for ax in self.folding.dense[role])
+      groups.append(self._batch_stage + group if a == "act_batch" else group)
     return self._spec(groups, shape)
 
   @property
   def batch(self) -> NamedSharding:
-    """Batches: sequences split over the data and FSDP devices."""
-    return NamedSharding(self.mesh, P(self.folding.dense["data"] + self.folding.dense["fsdp"]))
+    """Batches: sequences split over the data and FSDP devices (and the stages)."""
+    return NamedSharding(self.mesh, P(self._batch_stage + self.folding.dense["data"]
+                                      + self.folding.dense["fsdp"]))
 
   @property
   def replicated(self) -> NamedSharding:
@@ -75,12 +117,14 @@ class Layout:
 
   @property
   def data_parallel_size(self) -> int:
-    return self.folding.dense_sizes["data"] * self.folding.dense_sizes["fsdp"]
+    stages = 1 if self.inside else self.stages
+    return stages * self.folding.dense_sizes["data"] * self.folding.dense_sizes["fsdp"]
 
   @property
   def expert_axes(self) -> ExpertAxes:
     f = self.folding
-    return ExpertAxes(tokens=f.axis_names, expert=f.expert["expert"], tensor=f.expert["tensor"],
+    tokens = tuple(a for a in f.axis_names if a not in self.stage_axes or not self.inside)
+    return ExpertAxes(tokens=tokens, expert=f.expert["expert"], tensor=f.expert["tensor"],
                       num_expert_shards=f.expert_sizes["expert"],
                       num_tensor_shards=f.expert_sizes["tensor"])
 
@@ -89,11 +133,15 @@ class Layout:
     f = self.folding
     rows = [f"{'mesh axis':<16}{'size':>5}  {'dense role':<10}  expert role"]
     for name, size in zip(f.axis_names, f.axis_sizes):
-      dense_role, expert_role = name.split("/")
+      dense_role, expert_role = (name, name) if name in f.stage else name.split("/")
       rows.append(f"{name:<16}{size:>5}  {dense_role:<10}  {expert_role}")
     sizes = lambda d: " x ".join(f"{k} {v}" for k, v in d.items() if v > 1) or "1 device"
-    rows.append(f"dense:  {sizes(f.dense_sizes)}")
-    rows.append(f"expert: {sizes(f.expert_sizes)}")
+    per_stage = " (each stage)" if f.stages > 1 else ""
+    rows.append(f"dense:  {sizes(f.dense_sizes)}{per_stage}")
+    rows.append(f"expert: {sizes(f.expert_sizes)}{per_stage}")
+    if f.stages > 1:
+      rows.append(f"pipeline: {f.stages} stages x {f.repeats} repeat(s) of the MoE blocks; "
+                  f"elsewhere the stage axis splits the batch and shards the weights")
     return "\n".join(rows)
 
   def _spec(self, groups: Sequence[tuple[str, ...]], shape: Sequence[int]) -> P:

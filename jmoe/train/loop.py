@@ -20,6 +20,7 @@ from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
+from jmoe.model.pipeline import bubble_fraction
 from jmoe.moe import DISPATCHERS
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
@@ -42,15 +43,22 @@ def check_batch_fits(config: Config, layout: Layout) -> None:
         f"moe.d_ff_expert ({ffn}) must be a multiple of the expert-tensor size ({etp}, "
         f"parallel.expert.tensor): each device holds an equal slice of every expert's FFN")
   micro = config.train.micro_batch
-  if micro % layout.data_parallel_size:
+  stage = layout.inside_stages()  # the MoE blocks' devices: one stage's (all without stages)
+  if micro % stage.data_parallel_size:
     raise ConfigError(
         f"the micro-batch ({micro} sequences: train.micro_batch_size, or train.batch_size when it "
-        f"is 0) must split evenly over the {layout.data_parallel_size} data x fsdp devices")
-  devices = layout.mesh.devices.size
+        f"is 0) must split evenly over the {stage.data_parallel_size} data x fsdp devices")
+  if layout.stages > 1 and config.train.batch_size % layout.data_parallel_size:
+    raise ConfigError(
+        f"outside the pipeline's stages the batch ({config.train.batch_size} sequences) is split "
+        f"over the {layout.data_parallel_size} stage x data x fsdp devices; choose "
+        f"train.batch_size so that they divide it")
+  devices = layout.mesh.devices.size // layout.stages
   if (micro * config.data.seq_len) % devices:
     raise ConfigError(
         f"the MoE layers split a micro-batch's {micro} x {config.data.seq_len} tokens over all "
-        f"{devices} devices; choose data.seq_len or the micro-batch so that they divide")
+        f"{devices} devices{' of a stage' if layout.stages > 1 else ''}; choose data.seq_len or "
+        f"the micro-batch so that they divide")
   chunks = config.moe.dispatch_chunks
   if (micro * config.data.seq_len // devices) % chunks:
     raise ConfigError(
@@ -106,6 +114,11 @@ class Trainer:
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
              layout.mesh.devices.size, jax.default_backend(), layout.describe())
+    if layout.stages > 1:
+      micro = config.train.num_micro_batches
+      log.info("pipeline: %d micro-batches through %d stages x %d repeat(s): bubble %.1f%% "
+               "((S - 1) / (R M + S - 1))", micro, layout.stages, layout.repeats,
+               100 * bubble_fraction(layout.stages, layout.repeats, micro))
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save)

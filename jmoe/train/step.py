@@ -31,6 +31,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
   depth = config.model.mtp_depth
   compute_dtype = DTYPES[config.precision.compute]
+  # With pipeline stages the micro-batches go through the model together.
+  micro_batches = config.train.num_micro_batches if config.parallel.pipeline > 1 else 1
   # Only the all-to-all dispatch over several expert shards has later rounds to count.
   rounds_possible = config.moe.dispatcher == "alltoall" and config.parallel.expert.expert != 1
 
@@ -53,11 +55,12 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     metrics = {}
     if depth:
       h_BSD, mtp_BLSD, stats = model.with_mtp(
-          next_tokens_BLS=mtp_inputs(tokens_BN, depth), rng=rng, **inputs)
+          next_tokens_BLS=mtp_inputs(tokens_BN, depth), rng=rng, micro_batches=micro_batches,
+          **inputs)
       metrics["mtp_loss"] = mtp_loss(mtp_BLSD, tokens_BN, mtp_mask_BLS, counts["mtp"],
                                      config.train.mtp_loss_weight, nll_sum)
     else:
-      h_BSD, stats = model.hidden(rng=rng, **inputs)
+      h_BSD, stats = model.hidden(rng=rng, micro_batches=micro_batches, **inputs)
     lm_loss = nll_sum(h_BSD, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
@@ -79,9 +82,11 @@ def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
           "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
 
 
-def make_train_step(graphdef: nnx.GraphDef, config: Config,
-                    optimizer: AdamW,
-                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple]:
+def make_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
+  """gradients(params, rest, batch, rng) -> (the parameters' gradients, the FP8 histories' next
+  values, metrics): the batch's loss and its gradient, over its micro-batches: one after another,
+  or with pipeline stages all through the stages at once. `rng`: the step's key for training
+  noise, or None for none."""
   loss_fn = make_loss_fn(graphdef, config)
 
   def split_loss(params, histories, others, *args):
@@ -91,38 +96,49 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
   # "gradient" (jmoe/ops/fp8.py), so the histories are differentiated alongside the parameters.
   grad_fn = jax.value_and_grad(split_loss, argnums=(0, 1), has_aux=True)
   micro, num_micro = config.train.micro_batch, config.train.num_micro_batches
+  in_one = num_micro == 1 or config.parallel.pipeline > 1
 
+  def gradients(params, rest, batch, rng):
+    counts = target_counts(batch, config.model.mtp_depth)
+    histories, others = nnx.split_state(rest, Fp8History, ...)
+
+    def one(micro_batch, index, num):
+      key = None if rng is None else jax.random.fold_in(rng, index)
+      (loss, metrics), (grads, new_histories) = grad_fn(
+          params, histories, others, micro_batch, counts, num, key)
+      return grads, new_histories, {"loss": loss, **metrics}
+
+    if in_one:  # (the pipeline's statistics are means over the micro-batches already)
+      return one(batch, 0, 1)
+    micro_batches = jax.tree.map(lambda x: x.reshape(num_micro, micro, *x.shape[1:]), batch)
+
+    def accumulate(carry, xs):
+      grads, new_histories, metrics = one(*xs, num_micro)
+      # Every micro-batch pushes onto the same history: the largest of their amaxes is kept.
+      return (jax.tree.map(jnp.add, carry[0], grads), jax.tree.map(jnp.maximum, carry[1],
+                                                                    new_histories),
+              jax.tree.map(jnp.add, carry[2], metrics)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        one, jax.tree.map(lambda x: x[0], micro_batches), 0, num_micro))
+    (grads, histories, metrics), _ = jax.lax.scan(accumulate, zeros,
+                                                  (micro_batches, jnp.arange(num_micro)))
+    return grads, histories, metrics
+
+  return gradients
+
+
+def make_train_step(graphdef: nnx.GraphDef, config: Config,
+                    optimizer: AdamW,
+                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple]:
+  gradients = make_gradients(graphdef, config)
   bias_rate = config.moe.balance.bias_update_rate
   step_key = jax.random.key(config.train.seed + 1)  # training noise; distinct from the init key
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    counts = target_counts(batch, config.model.mtp_depth)
     rng = jax.random.fold_in(step_key, state.step)
-
-    histories, others = nnx.split_state(state.rest, Fp8History, ...)
-
-    def one(micro_batch, index):
-      (loss, metrics), (grads, new_histories) = grad_fn(
-          state.params, histories, others, micro_batch, counts, num_micro,
-          jax.random.fold_in(rng, index))
-      return grads, new_histories, {"loss": loss, **metrics}
-
-    if num_micro == 1:
-      grads, histories, metrics = one(batch, 0)
-    else:
-      micro_batches = jax.tree.map(lambda x: x.reshape(num_micro, micro, *x.shape[1:]), batch)
-
-      def accumulate(carry, xs):
-        grads, new_histories, metrics = one(*xs)
-        # Every micro-batch pushes onto the same history: the largest of their amaxes is kept.
-        return (jax.tree.map(jnp.add, carry[0], grads), jax.tree.map(jnp.maximum, carry[1],
-                                                                      new_histories),
-                jax.tree.map(jnp.add, carry[2], metrics)), None
-
-      zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-          one, jax.tree.map(lambda x: x[0], micro_batches), 0))
-      (grads, histories, metrics), _ = jax.lax.scan(accumulate, zeros,
-                                                    (micro_batches, jnp.arange(num_micro)))
+    grads, histories, metrics = gradients(state.params, state.rest, batch, rng)
+    others = nnx.split_state(state.rest, Fp8History, ...)[1]
 
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["lr"] = schedule(state.step)

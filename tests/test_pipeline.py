@@ -1,0 +1,113 @@
+"""Pipeline stages (jmoe/model/pipeline.py) compute what the single-device micro-batch loop
+computes: loss, every gradient and the per-layer router statistics, for stages folded with the
+dense and expert layouts, circular repeats and a model with dense layers first; and checkpoints
+move between pipeline sizes."""
+
+import jax
+import numpy as np
+import pytest
+
+from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
+from jmoe.data import first_batches
+from jmoe.model.pipeline import bubble_fraction
+from jmoe.parallel import make_layout
+from jmoe.train.loop import train
+from jmoe.train.optimizer import make_optimizer
+from jmoe.train.state import state_spec
+from jmoe.train.step import make_gradients
+from helpers import tiny_config
+
+# 1 dense layer, then 4 MoE layers: 2 or 4 stages, or 2 stages of 2 repeats.
+MODEL = dict(d_model=32, num_heads=8, num_kv_heads=4, head_dim=8, d_ff=64, num_layers=5)
+BATCH = dict(batch_size=16, micro_batch_size=4)
+
+LAYOUTS = {  # name: parallel config
+    "pp2_ep4": dict(pipeline=2, dense=dict(data=4), expert=dict(data=1, expert=4)),
+    "pp2_tp2_ep2": dict(pipeline=2, dense=dict(data=2, tensor=2), expert=dict(data=2, expert=2)),
+    "pp4_fsdp2": dict(pipeline=4, dense=dict(data=1, fsdp=2), expert=dict(data=2)),
+    "pp2_repeats2": dict(pipeline=2, pipeline_repeats=2, dense=dict(data=4),
+                         expert=dict(data=2, expert=2)),
+}
+
+
+def config_for(parallel=None, **train):
+  moe = dict(dispatcher="alltoall", balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001))
+  return tiny_config(model=MODEL, moe=moe, train=dict(BATCH, **train),
+                     **({"parallel": parallel} if parallel else {}))
+
+
+def gradients(config, devices):
+  layout = make_layout(config.parallel, devices)
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
+  state = spec.init()
+  batch = jax.device_put(first_batches(config)[0], layout.batch)
+  with layout.active():
+    grads, _, metrics = jax.jit(make_gradients(spec.graphdef, config))(
+        state.params, state.rest, batch, None)
+  return jax.device_get((grads, metrics))
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return gradients(config_for(), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_stages_match_single_device(name, reference):
+  grads, metrics = gradients(config_for(LAYOUTS[name]), jax.devices())
+  ref_grads, ref_metrics = reference
+  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
+  for key in ("lm_loss", "aux_loss", "z_loss"):
+    np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-8)
+  # per layer and expert, the mean over micro-batches
+  np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"], atol=1e-6)
+  flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)
+  scale = max(float(np.max(np.abs(g))) for g in ref_flat)
+  for (path, g), ref in zip(flat, ref_flat):
+    np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * scale,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+def test_stage_axis_is_outermost_and_shown():
+  layout = make_layout(config_for(LAYOUTS["pp2_tp2_ep2"]).parallel)
+  assert layout.mesh.axis_names[0] == "stage" and layout.mesh.shape["stage"] == 2
+  table = layout.describe()
+  assert "stage" in table.splitlines()[1] and "pipeline: 2 stages" in table
+
+
+def test_bubble_fraction():
+  assert bubble_fraction(stages=4, repeats=1, micro_batches=4) == pytest.approx(3 / 7)
+  assert bubble_fraction(stages=4, repeats=2, micro_batches=4) == pytest.approx(3 / 11)
+  assert bubble_fraction(stages=1, repeats=1, micro_batches=8) == 0
+
+
+def test_pipeline_sizes_that_cannot_work():
+  with pytest.raises(ConfigError, match=r"parallel.pipeline \(3\) must divide the 8 devices"):
+    make_layout(ParallelConfig(DenseLayout(data=-1), ExpertLayout(data=-1), pipeline=3))
+  cases = [
+      (dict(pipeline=8), {}, "the 4 MoE layers do not split into"),
+      (dict(pipeline=2, pipeline_repeats=2), dict(train=dict(batch_size=16, micro_batch_size=16)),
+       "at least as many micro-batches as stages"),
+      (dict(pipeline=2), dict(precision=dict(gemm="fp8", fp8_recipe="delayed")),
+       "fp8_recipe=current"),
+      (dict(pipeline_repeats=2), {}, "needs pipeline stages"),
+  ]
+  for parallel, extra, message in cases:
+    with pytest.raises(ConfigError, match=message):
+      tiny_config(model=MODEL, parallel=parallel, **extra)
+
+
+@pytest.mark.parametrize("first, then", [(2, 1), (1, 4)])
+def test_resume_across_pipeline_sizes(tmp_path, first, then):
+  """A run saved with PP `first` resumes with PP `then` and logs the uninterrupted run's losses."""
+  def run(stages, steps, workdir):
+    parallel = dict(pipeline=stages, dense=dict(data=8 // stages), expert=dict(data=8 // stages))
+    config = config_for(parallel, steps=steps, warmup_steps=1, micro_batch_size=8)
+    return {r["step"]: r["loss"] for r in train(config, workdir, progress=False)}
+
+  whole = run(first, 4, tmp_path / "whole")
+  run(first, 2, tmp_path / "split")
+  resumed = run(then, 4, tmp_path / "split")
+  assert sorted(resumed) == [3, 4]
+  for step in (3, 4):
+    np.testing.assert_allclose(resumed[step], whole[step], rtol=1e-5)
