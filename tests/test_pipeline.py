@@ -54,18 +54,48 @@ def reference():
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_stages_match_single_device(name, reference):
-  grads, metrics = gradients(config_for(LAYOUTS[name]), jax.devices())
-  ref_grads, ref_metrics = reference
-  np.testing.assert_allclose(metrics["loss"], ref_metrics["loss"], rtol=1e-5)
-  for key in ("lm_loss", "aux_loss", "z_loss"):
+  assert_matches(gradients(config_for(LAYOUTS[name]), jax.devices()), reference)
+
+
+def assert_matches(result, reference):
+  """Losses to 1e-5, expert loads (per layer and expert, the mean over micro-batches) to 1e-6,
+  every gradient to 1e-4 relative (absolute: 1e-5 of the largest)."""
+  (grads, metrics), (ref_grads, ref_metrics) = result, reference
+  for key in ("loss", "lm_loss", "aux_loss", "z_loss"):
     np.testing.assert_allclose(metrics[key], ref_metrics[key], rtol=1e-5, atol=1e-8)
-  # per layer and expert, the mean over micro-batches
   np.testing.assert_allclose(metrics["expert_load"], ref_metrics["expert_load"], atol=1e-6)
   flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)
   scale = max(float(np.max(np.abs(g))) for g in ref_flat)
   for (path, g), ref in zip(flat, ref_flat):
     np.testing.assert_allclose(g, ref, rtol=1e-4, atol=1e-5 * scale,
                                err_msg=jax.tree_util.keystr(path))
+
+
+# DeepSeek-like: MLA, an MTP module, a shared expert, sigmoid group routing, sequence-wise aux
+# loss and aux-loss-free bias; GPT-OSS-like: no dense layer first (4 MoE layers), sliding windows
+# on alternate layers (so each stage must know its layers' indices), sinks, biased experts.
+FAMILIES = {
+    "deepseek": dict(
+        model=dict(MODEL, attention="mla", mtp_depth=1,
+                   mla=dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                            qk_rope_head_dim=4, v_head_dim=8)),
+        moe=dict(num_shared_experts=1, router=dict(score="sigmoid", num_groups=4, topk_groups=2,
+                                                   scaling_factor=2.5),
+                 balance=dict(bias_update_rate=0.001, aux_loss_type="seq", aux_loss_coef=0.01))),
+    "gpt_oss": dict(
+        model=dict(MODEL, num_layers=4, sliding_window=6, full_attention_every=2,
+                   attention_bias=True, attention_sinks=True),
+        moe=dict(first_k_dense=0, expert_bias=True, activation="clamped_swiglu",
+                 router=dict(score="softmax_topk", bias=True))),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_families_match_single_device(family):
+  variant = FAMILIES[family]
+  config = lambda **parallel: tiny_config(**variant, train=BATCH, **parallel)
+  assert_matches(gradients(config(parallel=LAYOUTS["pp2_ep4"]), jax.devices()),
+                 gradients(config(), jax.devices()[:1]))
 
 
 def test_stage_axis_is_outermost_and_shown():

@@ -29,15 +29,17 @@ import math
 from typing import Any
 
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, Eqn, Flat, Where, flatten,
                               is_literal, values)
 
 def divisor(spec, mesh_shape) -> int:
+  """How many pieces `spec` cuts an array into (dimensions left unconstrained: none)."""
   d = 1
   for entry in spec:
     for axis in (entry if isinstance(entry, tuple) else (entry,)):
-      if axis is not None:
+      if axis is not None and axis is not P.UNCONSTRAINED:
         d *= mesh_shape[axis]
   return d
 
@@ -316,7 +318,11 @@ class Walker:
     if local:
       return 1
     if eqn.name == "sharding_constraint":
-      return divisor(eqn.params["sharding"].spec, self.mesh_shape)
+      spec = eqn.params["sharding"].spec
+      d = divisor(spec, self.mesh_shape)
+      if any(entry is P.UNCONSTRAINED for entry in spec):  # the rest stays as it came
+        d = max(d, self._split_of(ins))
+      return d
     shape = tuple(getattr(v.aval, "shape", ()))
     if eqn.name == "iota":  # placed by what it feeds
       return None
