@@ -36,6 +36,11 @@ LAYOUTS = {
     "expert 8, all-to-all": dict(parallel=dict(expert=dict(data=1, expert=8)),
                                  moe=dict(dispatcher="alltoall")),
     "4 micro-batches": dict(train=dict(micro_batch_size=16)),
+    # 4 MoE layers in 2 stages, 4 micro-batches through them
+    "pipeline 2 x expert 4": dict(parallel=dict(pipeline=2, dense=dict(data=4),
+                                                expert=dict(data=1, expert=4)),
+                                  moe=dict(dispatcher="alltoall"), model=dict(num_layers=5),
+                                  train=dict(micro_batch_size=16)),
 }
 MIB = 2**20
 

@@ -81,6 +81,16 @@ def test_allgather_dispatch_sends_no_all_to_all():
   assert report["bytes_per_device"]["all-gather"] > 0
 
 
+def test_pipeline_stages_pass_activations():
+  """PP 2: the stages hand their micro-batches on with collective-permutes; the exchange also
+  runs in the bubble's iterations (5 for 4 micro-batches), so above the factor."""
+  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+                "train.batch_size=16", "train.micro_batch_size=4")
+  report = communication(config, make_layout(config.parallel))
+  assert report["bytes_per_device"]["collective-permute"] > 0
+  assert 1.25 <= report["all_to_all_over_routed"] <= 2.0
+
+
 def test_script_prints_one_json_line(capsys):
   sys.path.insert(0, str(ROOT / "scripts"))
   import comm_volume

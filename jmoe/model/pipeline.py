@@ -29,6 +29,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmoe.model.stack import run_stack
 from jmoe.parallel import Layout, constrain
@@ -83,19 +84,26 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
              jax.vmap(lambda m: jax.random.split(jax.random.fold_in(rng, m), num_layers))(
                  jnp.arange(M)))
 
-  def to_stages(a):  # [L, ...] -> [S, R, L / (S R), ...]: stage s, repeat r: group r S + s
-    a = a.reshape(R, S, per_group, *a.shape[1:]).swapaxes(0, 1)
-    return inner.on_stages(a)
+  def to_stages(variable):
+    """[L, ...] -> [R, L / (S R), S, ...]: stage s, repeat r holds group r S + s; the stage axis
+    after the layers', so that a stage's loop over its layers reads them in place."""
+    a = variable[...]
+    spec = inner.param_spec(variable.get_metadata().get("axes"), a.shape)
+    a = a.reshape(R, S, per_group, *a.shape[1:]).swapaxes(1, 2)
+    return variable.replace(jax.lax.with_sharding_constraint(
+        a, NamedSharding(inner.mesh, P(None, None, *spec))))
 
-  stage_state = jax.tree.map(to_stages, state)
+  stage_state = jax.tree.map(to_stages, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   stage_ids = jnp.arange(S)
 
   def stage_program(layer_state_R, x_BSD, positions_BS, segments_BS, keys_L, repeat, first):
-    layer_state = jax.tree.map(lambda a: a[repeat], layer_state_R)
+    # One repeat: its slice of the stage's layers (read in place); else the iteration's group.
+    layer_state = jax.tree.map(lambda a: a[0] if R == 1 else a[repeat], layer_state_R)
     return run_stack(nnx.merge(graphdef, layer_state), x_BSD, positions_BS, segments_BS,
                      remat=remat, keys=keys_L, first_layer=first, unroll=unroll)
 
-  stages_at_once = jax.vmap(stage_program, spmd_axis_name=layout.stage_axes)
+  stages_at_once = jax.vmap(stage_program, in_axes=(2, 0, 0, 0, 0, 0, 0),
+                            spmd_axis_name=layout.stage_axes)
 
   def iteration(carry, t):
     x_S, circular_M, out_M, stats_RS = carry

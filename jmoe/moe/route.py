@@ -84,8 +84,9 @@ def route(logits_TE: jax.Array, cfg: RouterConfig, top_k: int, *,
   if cfg.num_groups > 1:
     select_TE = _limit_to_groups(select_TE, cfg.num_groups, cfg.topk_groups)
   _, expert_ids_TK = jax.lax.top_k(select_TE, top_k)
-  if cfg.force_balanced:
-    expert_ids_TK = (jnp.arange(num_tokens)[:, None] * top_k + jnp.arange(top_k)) % num_experts
+  if cfg.force_balanced:  # (shaped like the chosen ids, so as batched under a pipeline's vmap)
+    expert_ids_TK = expert_ids_TK * 0 + (
+        (jnp.arange(num_tokens)[:, None] * top_k + jnp.arange(top_k)) % num_experts)
   weights_TK = jnp.take_along_axis(scores_TE, expert_ids_TK, axis=-1)
   if cfg.score == "softmax_topk":
     weights_TK = jax.nn.softmax(weights_TK, axis=-1)
