@@ -159,6 +159,18 @@ def test_a_jmoe_trained_model_exports_to_transformers(name, tmp_path):
   assert max_diff(ours, reference) < 1e-4, max_diff(ours, reference)
 
 
+def test_a_pipelined_run_exports_to_transformers(tmp_path):
+  """Trained in 2 pipeline stages (2 micro-batches), saved as any run is: the export scores as
+  the run's model does, in transformers."""
+  config = tiny_config(**TRAINED["deepseek_v3"], parallel=dict(pipeline=2),
+                       train=dict(steps=3, warmup_steps=1, micro_batch_size=4))
+  train(config, tmp_path / "run", progress=False)
+  export_hf(tmp_path / "run", tmp_path / "hf")
+  sequences = random_sequences(config.model.vocab_size, seed=1)
+  reference = hf_logprobs(tmp_path / "hf", sequences, tmp_path)
+  assert max_diff(jmoe_logprobs(tmp_path / "run", sequences), reference) < 1e-4
+
+
 def test_conversion_errors_name_the_problem(tmp_path):
   with pytest.raises(ConfigError, match="config.json does not exist"):
     import_hf(tmp_path, tmp_path / "out")
