@@ -158,3 +158,16 @@ def _inline(jaxpr, args: list, where: Where, eqns: list[Eqn]) -> list:
     names.update(zip(eqn.outvars, outs))
     eqns.append(Eqn(eqn.primitive.name, eqn.params, ins, outs, source(eqn), here, subs))
   return [name(v) for v in jaxpr.outvars]
+
+
+def operands_of(eqn: Eqn, ins: list) -> list[list]:
+  """What each of a structured op's bodies (`eqn.subs`, in their order) receives of its inputs:
+  a loop's body its constants and carry, its condition its own constants and the carry; a
+  conditional's branches its operands (not the branch index)."""
+  if eqn.name == "while":
+    cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    by_jaxpr = {"body_jaxpr": ins[cond:], "cond_jaxpr": ins[:cond] + ins[cond + body:]}
+    return [by_jaxpr[key] for key in ("body_jaxpr", "cond_jaxpr") if eqn.params.get(key)]
+  if eqn.name == "cond":
+    return [ins[1:]] * len(eqn.subs)
+  return [ins] * len(eqn.subs)

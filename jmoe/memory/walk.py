@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, Eqn, Flat, Where, flatten,
-                              is_literal, values)
+                              is_literal, operands_of, values)
 
 def divisor(spec, mesh_shape) -> int:
   """How many pieces `spec` cuts an array into (dimensions left unconstrained: none)."""
@@ -124,19 +124,6 @@ def _storage(jaxpr: Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict
     for v in values(eqns[i].invars):
       last_use[v] = max(last_use.get(v, -1), until)
   return kept, last_use
-
-
-def _operands_of(eqn: Eqn, ins: list) -> list[list]:
-  """What each of a structured op's bodies (`eqn.subs`, in their order) receives of its inputs:
-  a loop's body its constants and carry, its condition its own constants and the carry; a
-  conditional's branches its operands (not the branch index)."""
-  if eqn.name == "while":
-    cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-    by_jaxpr = {"body_jaxpr": ins[cond:], "cond_jaxpr": ins[:cond] + ins[cond + body:]}
-    return [by_jaxpr[key] for key in ("body_jaxpr", "cond_jaxpr") if eqn.params.get(key)]
-  if eqn.name == "cond":
-    return [ins[1:]] * len(eqn.subs)
-  return [ins] * len(eqn.subs)
 
 
 def _live(jaxpr: Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
@@ -249,7 +236,7 @@ class Walker:
     subs = [] if eqn.fused else eqn.subs  # a fused kernel's insides are its own
     if subs:  # while, cond: the largest of the bodies or branches
       results = []
-      for sub, sub_ins in zip(subs, _operands_of(eqn, ins)):
+      for sub, sub_ins in zip(subs, operands_of(eqn, ins)):
         flat = flatten(sub, Where(backward=eqn.backward, kind=eqn.where.kind))
         sub_env = {v: (value or Value(0, None, "activations"))
                    for v, value in zip(flat.invars, sub_ins)}
