@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -41,6 +42,17 @@ def run(main: Callable[[], int]) -> int:
   except Interrupted as e:
     print(f"jmoe: {e}", file=sys.stderr)
     return 128 + e.signum
+
+
+def layout_parser(description: str) -> argparse.ArgumentParser:
+  """The arguments of the commands that look at a config's step on a number of devices before
+  renting them: `--config` and `--devices` (with `devices_for`); the command adds its own."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--devices", type=int,
+                      help="for this many devices: the first N at hand, or N simulated "
+                           "(default: all at hand)")
+  return parser
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

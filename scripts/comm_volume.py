@@ -15,7 +15,6 @@ The program is XLA's for the CPU: GPU builds may combine collectives differently
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,12 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=int,
-                      help="for this many devices: the first N at hand, or N simulated "
-                           "(default: all at hand)")
-  from jmoe.cli import devices_for, run, split_overrides
+  from jmoe.cli import devices_for, layout_parser, run, split_overrides
+  parser = layout_parser(__doc__.split("\n")[0])
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 

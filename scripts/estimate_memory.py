@@ -17,7 +17,6 @@ Prints a table, then one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,11 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=int,
-                      help="estimate for this many devices: the first N at hand, or N simulated "
-                           "(default: all at hand)")
+  from jmoe.cli import devices_for, layout_parser, run, split_overrides
+  parser = layout_parser(__doc__.split("\n")[0])
   parser.add_argument("--platform", choices=("gpu", "cpu"),
                       help="the platform estimated for (default: this one; gpu on simulated devices)")
   parser.add_argument("--device-memory-gib", type=float, default=0.0,
@@ -39,7 +35,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--largest", type=int, default=10, help="list this many largest buffers")
   parser.add_argument("--compare", action="store_true",
                       help="also compile the step here and print XLA's per-device bytes")
-  from jmoe.cli import devices_for, run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 
