@@ -8,7 +8,8 @@ and empty experts with rows past the groups), the forward output, the input grad
 expert's weight gradient are compared with a float32 reference computed expert by expert on the
 same bf16 inputs. A case passes when each relative (Frobenius) error is at most 3e-3, the rows
 past the groups are exactly zero in the output and the input gradient, and an expert with no rows
-has an exactly zero weight gradient. Attention: the model's logits with cuDNN's kernel against
+has an exactly zero weight gradient; the same under vmap (two routings at once, and one), as
+pipeline stages run the experts. Attention: the model's logits with cuDNN's kernel against
 XLA's, in bf16. Prints one JSON line per case; `moe.gemm=auto` must pick a backend that passed.
 """
 
@@ -73,10 +74,14 @@ def case(shape: str, kind: str, rows: int, seed: int):
 
 def check_backend(gemm, inputs, expected) -> dict:
   x, w, dy, sizes = inputs
-  y_ref, dx_ref, dw_ref = expected
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
-  dx, dw = vjp(dy)
-  y, dx, dw = jax.device_get((y, dx, dw))
+  return compare(jax.device_get((y, *vjp(dy))), sizes, expected)
+
+
+def compare(outputs, sizes, expected) -> dict:
+  """One case's y, dx and dw against its reference."""
+  y, dx, dw = outputs
+  y_ref, dx_ref, dw_ref = expected
   tail = int(sizes.sum())
   per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
   result = {"rows": len(y), "out": relative_error(y[:tail], y_ref[:tail]),
@@ -105,6 +110,31 @@ def check_grouped_gemms(backends: list[str], rows: int) -> list[dict]:
           out.append({"check": check, "ok": False,
                       "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
         print(json.dumps(out[-1]), flush=True)
+  return out
+
+
+def check_vmapped(backends: list[str], rows: int) -> list[dict]:
+  """Each backend under vmap, as pipeline stages run their layers (vmapped over the stage axis):
+  a batch of two cases, each with its own routing, and a batch of one, against the references."""
+  from jmoe.ops.grouped_gemm import GEMM_BACKENDS
+  pair = [case("down", kind, rows, seed) for seed, kind in ((3, "skewed"), (4, "empty"))]
+  out = []
+  for name in backends:
+    batched = jax.jit(jax.vmap(GEMM_BACKENDS[name]))
+    for count in (2, 1):
+      x, w, dy, sizes = (jnp.stack([inputs[i] for inputs, _ in pair[:count]]) for i in range(4))
+      check = f"grouped_gemm_vmapped/{name}/batch{count}"
+      try:
+        y, vjp = jax.vjp(lambda x, w: batched(x, w, sizes), x, w)
+        outputs = jax.device_get((y, *vjp(dy)))
+        results = [compare([a[b] for a in outputs], pair[b][0][3], pair[b][1])
+                   for b in range(count)]
+        worst = max(results, key=lambda r: max(r["out"], r["dx"], r["dw_worst_expert"]))
+        out.append({"check": check, **worst, "ok": all(r["ok"] for r in results)})
+      except Exception as e:  # a kernel that cannot be vmapped fails its case
+        out.append({"check": check, "ok": False,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      print(json.dumps(out[-1]), flush=True)
   return out
 
 
@@ -155,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "auto": auto_gemm()}))
   results = check_grouped_gemms(args.backends.split(","), args.rows)
+  results += check_vmapped(args.backends.split(","), args.rows)
   if not args.no_attention:
     for r in check_attention():
       print(json.dumps(r), flush=True)

@@ -42,3 +42,36 @@ def test_packed_segments_describe_each_rows_documents():
   np.testing.assert_array_equal(lengths[:2], [[3, 2, 1, -1], [8, -1, -1, -1]])
   np.testing.assert_array_equal(offsets[:2], [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1]])
   np.testing.assert_array_equal(documents, [3, 1, 8])  # the last row has more than 4: masked
+
+
+def _ragged_on_host(x_XD, w_EDF, sizes_E):
+  """x . w[e] per group of rows, with numpy: a kernel JAX cannot batch."""
+  y = np.zeros((x_XD.shape[0], w_EDF.shape[2]), np.float32)
+  start = 0
+  for e, n in enumerate(np.asarray(sizes_E)):
+    y[start:start + n] = np.asarray(x_XD)[start:start + n] @ np.asarray(w_EDF)[e]
+    start += n
+  return y
+
+
+def _host_kernel(x_XD, w_EDF, sizes_E):
+  out = jax.ShapeDtypeStruct((x_XD.shape[0], w_EDF.shape[2]), jnp.float32)
+  return jax.pure_callback(_ragged_on_host, out, x_XD, w_EDF, sizes_E)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_call_per_batch_vmaps_a_kernel_without_a_batching_rule(batch):
+  """The Mosaic grouped GEMMs cannot be vmapped (pipeline stages vmap their layers); wrapped,
+  they run once per batch element. A host kernel stands in for them on CPU."""
+  from jmoe.ops.mosaic_gemm import one_call_per_batch
+  keys = jax.random.split(jax.random.key(0), 2)
+  x_BXD = jax.random.normal(keys[0], (batch, 12, 4))
+  w_EDF = jax.random.normal(keys[1], (3, 4, 5))
+  sizes_BE = jnp.asarray([[4, 0, 6], [12, 0, 0], [1, 2, 3]][:batch], jnp.int32)
+  with pytest.raises(NotImplementedError):
+    jax.vmap(_host_kernel, in_axes=(0, None, 0))(x_BXD, w_EDF, sizes_BE)
+  y_BXF = jax.jit(jax.vmap(one_call_per_batch(_host_kernel), in_axes=(0, None, 0)))(
+      x_BXD, w_EDF, sizes_BE)
+  for b in range(batch):
+    np.testing.assert_allclose(y_BXF[b], _ragged_on_host(x_BXD[b], w_EDF, sizes_BE[b]),
+                               rtol=1e-6, atol=1e-6)

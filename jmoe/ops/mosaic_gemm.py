@@ -22,6 +22,7 @@ import functools
 import json
 import logging
 import pathlib
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,27 @@ def _pad_axis(a: jax.Array, axis: int, size: int) -> jax.Array:
   return jnp.pad(a, widths)
 
 
+def one_call_per_batch(kernel: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """`kernel` (array arguments only) where vmap cannot batch it: the Mosaic kernels read their
+  group sizes as a list of scalars, which a batched ref is not. Under vmap (pipeline stages run
+  their layers vmapped over the stage axis, where each device holds one stage) the kernel runs
+  once per batch element: directly for a batch of one, else in a loop."""
+
+  @jax.custom_batching.custom_vmap
+  def call(*args):
+    return kernel(*args)
+
+  @call.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    args = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, batched in zip(args, in_batched)]
+    if axis_size == 1:
+      return call(*(a[0] for a in args))[None], True
+    return jax.lax.map(lambda one: call(*one), tuple(args)), True
+
+  return call
+
+
 def ragged(x_XK: jax.Array, w: jax.Array, group_sizes_E: jax.Array, transpose_rhs: bool,
            tiles: Tiles | None = None) -> jax.Array:
   """x_XK . w[e] per group (w is [E, K, N], or [E, N, K] with `transpose_rhs`), [X, N]. The rows
@@ -115,10 +137,12 @@ def ragged(x_XK: jax.Array, w: jax.Array, group_sizes_E: jax.Array, transpose_rh
     w = _pad_axis(_pad_axis(w, 2 if transpose_rhs else 1, k_pad), 1 if transpose_rhs else 2,
                   n_pad)
     return ragged(x_XK, w, group_sizes_E, transpose_rhs)[:, :n]
-  return ragged_dot_mgpu.ragged_dot(
-      x_XK, w, group_sizes=group_sizes_E, block_m=tiles.block_m, block_n=tiles.block_n,
+  kernel = functools.partial(
+      ragged_dot_mgpu.ragged_dot, block_m=tiles.block_m, block_n=tiles.block_n,
       block_k=tiles.block_k, max_concurrent_steps=tiles.steps, grid_block_n=tiles.grid_block_n,
       transpose_rhs=transpose_rhs)
+  return one_call_per_batch(lambda x, w, sizes: kernel(x, w, group_sizes=sizes))(
+      x_XK, w, group_sizes_E)
 
 
 def ragged_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array,
@@ -131,9 +155,12 @@ def ragged_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array,
     d_pad, f_pad = _round_up(d, 64), _round_up(f, 64)
     out = ragged_contract(_pad_axis(x_XD, 1, d_pad), _pad_axis(y_XF, 1, f_pad), group_sizes_E)
     return out[:, :d, :f]
-  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-      x_XD, y_XF, group_sizes=group_sizes_E, block_m=tiles.block_m, block_n=tiles.block_n,
-      block_k=tiles.block_k, max_concurrent_steps=tiles.steps, grid_block_n=tiles.grid_block_n)
+  kernel = functools.partial(
+      transposed_ragged_dot_mgpu.transposed_ragged_dot, block_m=tiles.block_m,
+      block_n=tiles.block_n, block_k=tiles.block_k, max_concurrent_steps=tiles.steps,
+      grid_block_n=tiles.grid_block_n)
+  return one_call_per_batch(lambda x, y, sizes: kernel(x, y, group_sizes=sizes))(
+      x_XD, y_XF, group_sizes_E)
 
 
 ROW_MULTIPLE = 8  # the kernels tile rows by 8
