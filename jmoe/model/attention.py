@@ -19,7 +19,7 @@ from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, same_document
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import constrain, gathered
 
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
@@ -55,7 +55,7 @@ class Attention(nnx.Module):
     """`segment_ids_BS`: which packed document each token belongs to; tokens attend only within
     their own (None: one document per row)."""
     cfg, dt = self.cfg, self.dtype
-    proj = lambda w, b, site: project(x_BSD, w[...].astype(dt), 1, site) + (
+    proj = lambda w, b, site: project(x_BSD, gathered(w, dt), 1, site) + (
         0 if b is None else b[...].astype(dt))
     q_BSHA = proj(self.w_q_DHA, self.b_q_HA, self.fp8_q)
     k_BSGA = proj(self.w_k_DGA, self.b_k_GA, self.fp8_k)
@@ -67,7 +67,7 @@ class Attention(nnx.Module):
     v_BSGA = constrain(v_BSGA, KV_AXES)
     out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
                                "attention_out")
-    out_BSD = project(constrain(out_BSHA, Q_AXES), self.w_o_HAD[...].astype(dt), 2, self.fp8_o)
+    out_BSD = project(constrain(out_BSHA, Q_AXES), gathered(self.w_o_HAD, dt), 2, self.fp8_o)
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:

@@ -22,7 +22,7 @@ from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, causal_document_mask
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import constrain, gathered
 
 # DeepSeek's latent norms use this epsilon whatever the model's own norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -53,7 +53,7 @@ class MLAttention(nnx.Module):
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
-    w = lambda p: p[...].astype(dt)
+    w = lambda p: gathered(p, dt)
     if m.q_lora_rank:
       q_BSR = self.q_a_norm(project(x_BSD, w(self.w_q_a_DR), 1, self.fp8_q_a))
       q_BSHA = project(q_BSR, w(self.w_q_b_RHA), 1, self.fp8_q)

@@ -7,7 +7,7 @@ from flax import nnx
 
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import constrain, gathered
 
 
 class SwiGLU(nnx.Module):
@@ -22,7 +22,7 @@ class SwiGLU(nnx.Module):
     self.w_out_FD = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=std, dtype=param_dtype)
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
-    h_BS2F = project(x_BSD, self.w_in_D2F[...].astype(self.dtype), 1, self.fp8_in)
+    h_BS2F = project(x_BSD, gathered(self.w_in_D2F, self.dtype), 1, self.fp8_in)
     h_BS2F = constrain(h_BS2F, ("act_batch", "act_seq", None, "act_mlp"))
     h_BSF = jax.nn.silu(h_BS2F[:, :, 0]) * h_BS2F[:, :, 1]
-    return project(h_BSF, self.w_out_FD[...].astype(self.dtype), 1, self.fp8_out)
+    return project(h_BSF, gathered(self.w_out_FD, self.dtype), 1, self.fp8_out)

@@ -13,7 +13,7 @@ from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import RMSNorm
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import constrain, gathered
 
 
 class MTPModule(nnx.Module):
@@ -31,7 +31,7 @@ class MTPModule(nnx.Module):
   def __call__(self, h_BSD, emb_BSD, positions_BS, segment_ids_BS, rng, layer):
     """Returns (the new hidden state for the next module, the normed state for the head, stats)."""
     x_BS2D = jnp.concatenate([self.embed_norm(emb_BSD), self.hidden_norm(h_BSD)], axis=-1)
-    x_BSD = constrain(project(x_BS2D, self.w_proj_2DD[...].astype(self.dtype), 1, self.fp8_proj),
+    x_BSD = constrain(project(x_BS2D, gathered(self.w_proj_2DD, self.dtype), 1, self.fp8_proj),
                       RESIDUAL_AXES)
     x_BSD, stats = self.block(x_BSD, positions_BS, segment_ids_BS, rng=rng, layer=layer)
     return x_BSD, self.out_norm(x_BSD), stats

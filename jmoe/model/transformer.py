@@ -15,7 +15,7 @@ from jmoe.model.stack import make_stack, run_stack
 from jmoe.moe import RouterStats, bias_step
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
-from jmoe.parallel import active_layout, constrain
+from jmoe.parallel import active_layout, constrain, gathered
 
 LOGITS_AXES = ("act_batch", "act_seq", "act_vocab")  # split over the vocabulary with TP
 
@@ -96,8 +96,8 @@ class Transformer(nnx.Module):
   def head_weights(self, dtype) -> jax.Array:
     """The LM head as [D, V] in `dtype` (the embedding table, transposed, when tied)."""
     if self.head_DV is None:
-      return self.embed.table[...].astype(dtype).T
-    return self.head_DV[...].astype(dtype)
+      return gathered(self.embed.table, dtype).T
+    return gathered(self.head_DV, dtype)
 
   def update_expert_bias(self, load_LE: jax.Array, rate: float) -> None:
     """Aux-loss-free balancing after a step: moves each MoE layer's selection bias by its load

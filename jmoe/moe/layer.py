@@ -19,7 +19,7 @@ from jmoe.moe.route import RouterStats, route
 from jmoe.ops.exchange import varying_like
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
-from jmoe.parallel import ExpertAxes, active_layout
+from jmoe.parallel import ExpertAxes, active_layout, gathered
 
 # How tokens reach experts on other devices: the names `moe.dispatcher` may take.
 DISPATCHERS: dict[str, type[Dispatcher]] = {"allgather": AllGatherDispatcher,
@@ -139,7 +139,7 @@ class MoE(nnx.Module):
     jitter = self.cfg.router.jitter
     if jitter and rng is not None:
       x_TD = x_TD * jax.random.uniform(rng, x_TD.shape, minval=1 - jitter, maxval=1 + jitter)
-    logits_TE = jnp.einsum("td,de->te", x_TD, self.router_DE[...].astype(jnp.float32))
+    logits_TE = jnp.einsum("td,de->te", x_TD, gathered(self.router_DE, jnp.float32))
     if self.router_bias_E is not None:
       logits_TE = logits_TE + self.router_bias_E[...].astype(jnp.float32)
     return logits_TE

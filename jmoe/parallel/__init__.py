@@ -3,4 +3,5 @@
 Mesh axis names appear only here (and inside `shard_map` bodies); model code speaks logical names.
 """
 
-from jmoe.parallel.mesh import ExpertAxes, Layout, active_layout, constrain, make_layout
+from jmoe.parallel.mesh import (ExpertAxes, Layout, active_layout, constrain, gathered,
+                                make_layout)

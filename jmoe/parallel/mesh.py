@@ -67,21 +67,32 @@ class Layout:
     return () if self.inside else self.stage_axes
 
   # ---- parameters
-  def param_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
+  def param_spec(self, axes: Sequence[str | None], shape: Sequence[int], *,
+                 stored: bool = True) -> P:
+    """Where a weight is kept; `stored=False`: without the axes that only store it."""
     # Weights outside the stages are FSDP-sharded over the stage axis too.
     more = () if "stage_layers" in axes else self.stage_axes
 
     def mesh_axes(name):
       if name == "stage_layers":
-        return self.stage_axes
+        return self.stage_axes if stored else ()
       if name in rules.EXPERT_PARAMS:
         role = rules.EXPERT_PARAMS[name]
-        return self.folding.expert[role] + (more if role == "data" else ())
+        if role == "data":
+          return self.folding.expert[role] + more if stored else ()
+        return self.folding.expert[role]
       if name in rules.DENSE_PARAMS:
         role = rules.DENSE_PARAMS[name]
-        return self.folding.dense[role] + (more if role == "fsdp" else ())
+        if role == "fsdp":
+          return self.folding.dense[role] + more if stored else ()
+        return self.folding.dense[role]
       return ()
     return self._spec([mesh_axes(a) if a else () for a in axes], shape)
+
+  def compute_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
+    """Where one layer's weight is while its GEMM reads it: split as stored by tensor and expert
+    parallelism, whole along what only stores it (FSDP, expert data, the stage axis)."""
+    return self.param_spec(axes, shape, stored=False)
 
   def shardings(self, tree: Any) -> Any:
     """The same pytree with a NamedSharding for each array: nnx Variables (model and optimizer
@@ -167,6 +178,23 @@ _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jmoe_la
 
 def active_layout() -> Layout | None:
   return _ACTIVE.get()
+
+
+def gathered(variable: nnx.Variable, dtype) -> jax.Array:
+  """A dense weight as its GEMM reads it, in `dtype`, placed by `Layout.compute_spec`: FSDP's
+  all-gather of the weight before the product (and the reduce-scatter of its gradient after).
+  Left to itself, XLA may instead gather the activations over the FSDP devices, a whole
+  micro-batch on every device at real sizes. A layer of a stack (read inside the loop over
+  layers) keeps the stack's axis names: the leading ones its value no longer has are dropped."""
+  w = variable[...].astype(dtype)
+  layout, axes = active_layout(), variable.get_metadata().get("axes")
+  if layout is None or not axes:
+    return w
+  axes = tuple(axes)[len(axes) - w.ndim:]
+  spec = layout.compute_spec(axes, w.shape)
+  if spec == layout.param_spec(axes, w.shape):  # nothing to gather
+    return w
+  return jax.lax.with_sharding_constraint(w, NamedSharding(layout.mesh, spec))
 
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
