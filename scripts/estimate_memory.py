@@ -1,7 +1,8 @@
 """Per-device memory of a training step, by category, before compiling anything.
 
   python scripts/estimate_memory.py --config configs/NAME.py [--config.group.key=value ...]
-      [--devices N] [--platform gpu|cpu] [--device-memory-gib 80] [--largest 10] [--compare]
+      [--devices N] [--platform gpu|cpu] [--device-memory-gib 80] [--largest 10]
+      [--compare [--mock-gpus N]]
 
 Traces the config's train step on its parallel layout and walks it in program order as XLA's
 buffer assignment would (jmoe/memory/walk.py says what it assumes): parameters, optimizer state,
@@ -11,7 +12,9 @@ gradients, weights cast for compute, activations kept for the backward pass unde
 `--devices N` estimates for N devices: the first N at hand or, when there are fewer, N simulated
 CPU devices (the script runs itself again with them; nothing runs on them, the step is only
 traced), for the GPU platform unless `--platform` says otherwise. `--compare` also compiles the
-step on the devices at hand and prints XLA's own figure and the difference.
+step on the devices at hand and prints XLA's own figure and the difference; with `--mock-gpus N`
+on one GPU, JAX pretends to have N (a mocked topology: the step compiles for N GPUs, nothing
+runs), so a many-GPU layout's XLA figure is known before renting the GPUs.
 Prints a table, then one JSON line.
 """
 
@@ -35,11 +38,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--largest", type=int, default=10, help="list this many largest buffers")
   parser.add_argument("--compare", action="store_true",
                       help="also compile the step here and print XLA's per-device bytes")
+  parser.add_argument("--mock-gpus", type=int, default=0,
+                      help="on one GPU: JAX pretends to have this many (one per mocked host), so "
+                           "that --compare compiles a many-GPU layout; nothing can run")
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 
   def command() -> int:
     import jax
+    if args.mock_gpus:
+      mock_gpus(args.mock_gpus)
     from jmoe.config import ConfigError, load_config
     from jmoe.parallel import make_layout
     from jmoe.memory import compiled_bytes, estimate
@@ -76,6 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   return run(command)
+
+
+def mock_gpus(count: int) -> None:
+  """JAX's mocked GPU topology: `count` hosts of one GPU each, this process the first; the
+  compiler sees the whole program, the collectives are never run. Autotuning stays on this
+  process (sharing its results would wait for the mocked hosts)."""
+  import jax
+  from jmoe.config import ConfigError
+  if count < 2:
+    raise ConfigError(f"--mock-gpus {count}: give the number of GPUs to pretend, 2 or more")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_gpu_shard_autotuning=false").strip()
+  jax.config.update("jax_mock_gpu_topology", f"1x{count}x1")
+  if jax.default_backend() != "gpu" or jax.device_count() != count:
+    raise ConfigError(f"--mock-gpus {count} needs a GPU (JAX mocks GPU topologies only); this "
+                      f"process has {jax.device_count()} {jax.default_backend()} device(s)")
 
 
 if __name__ == "__main__":

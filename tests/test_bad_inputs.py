@@ -19,6 +19,7 @@ import pathlib
 import sys
 from typing import Callable
 
+import jax
 import numpy as np
 import pytest
 
@@ -45,9 +46,9 @@ def run(main: Callable[[list[str]], int], *argv: str) -> Result:
   handlers = logging.getLogger("jmoe").handlers
   streams = [h.stream for h in handlers if isinstance(h, logging.StreamHandler)]
   try:
-    for h in handlers:
+    for h in handlers:  # not setStream: it flushes the old stream, which may be closed by now
       if isinstance(h, logging.StreamHandler):
-        h.setStream(err)
+        h.stream = err
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
       try:
         code = main(list(argv))
@@ -55,7 +56,7 @@ def run(main: Callable[[list[str]], int], *argv: str) -> Result:
         code = e.code if isinstance(e.code, int) else 1
   finally:
     for h, stream in zip([h for h in handlers if isinstance(h, logging.StreamHandler)], streams):
-      h.setStream(stream)
+      h.stream = stream
   return Result(code, err.getvalue())
 
 
@@ -493,6 +494,14 @@ def test_other_commands_name_their_bad_arguments(tmp_path, monkeypatch):
           "--devices 0: give a positive number of devices")
   refused(run(estimate_memory.main, "--config", CONFIG, "--device-memory-gib", "-1"),
           "--device-memory-gib -1.0 must be >= 0")
+  refused(run(estimate_memory.main, "--config", CONFIG, "--mock-gpus", "1"),
+          "--mock-gpus 1: give the number of GPUs to pretend, 2 or more")
+  monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # restored after the test
+  try:
+    refused(run(estimate_memory.main, "--config", CONFIG, "--compare", "--mock-gpus", "8"),
+            "--mock-gpus 8 needs a GPU (JAX mocks GPU topologies only)")
+  finally:
+    jax.config.update("jax_mock_gpu_topology", "")
   refused(prepare("--source", str(tmp_path / "none"), "--out", str(tmp_path / "out")),
           "none does not exist")
   refused(train("--config", str(tmp_path / "none.py"), "--workdir", str(tmp_path / "run")),

@@ -99,6 +99,8 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
     weights.setdefault(tuple(leaf.shape), (d, leaf.dtype))
     if leaf.ndim > 2:  # a stacked layer's slice, as the scan over layers sees it
       weights.setdefault(tuple(leaf.shape[1:]), (d, leaf.dtype))
+    for shape in _stage_shapes(leaf.shape, sharding.spec, layout):
+      weights.setdefault(shape, (d, leaf.dtype))
 
   env = {v: Value(nbytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, splits, kinds)}
   by_category = {name: 0 for name in CATEGORIES}
@@ -136,6 +138,19 @@ def function_peak(fn, *args, platform: str = "gpu") -> int:
   jaxpr = flatten(jax.make_jaxpr(fn)(*args).jaxpr)
   env = {v: Value(nbytes(v.aval, 1), 1, "batch") for v in jaxpr.invars}
   return Walker({}, {}, platform).walk(jaxpr, env).peak
+
+
+def _stage_shapes(shape, spec, layout: Layout) -> list[tuple[int, ...]]:
+  """The shapes pipeline stages regroup a stacked layer weight into (jmoe/model/pipeline.py):
+  [R, L / (S R), S, ...] for the whole stack, [L / (S R), S, ...] for one repeat and [S, ...]
+  for one layer of every stage (the stages' programs run as one, vmapped over the stage axis)."""
+  S, R = layout.stages, layout.repeats
+  first = spec[0] if spec else None
+  first = first if isinstance(first, tuple) else (first,)
+  if S == 1 or len(shape) < 3 or not set(first) & set(layout.stage_axes):
+    return []
+  per_group = shape[0] // (S * R)
+  return [(R, per_group, S, *shape[1:]), (per_group, S, *shape[1:]), (S, *shape[1:])]
 
 
 # Each TrainState field's category; the fields flatten in this (their declaration) order.

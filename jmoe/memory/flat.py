@@ -171,3 +171,20 @@ def operands_of(eqn: Eqn, ins: list) -> list[list]:
   if eqn.name == "cond":
     return [ins[1:]] * len(eqn.subs)
   return [ins] * len(eqn.subs)
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+  """A scan's number of constants and of carries (its operands: constants, carries, stacks)."""
+  if "ft_in" in params:  # jax >= 0.11: the operands' trees, (constants, carries, stacks)
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(list(consts.vals)), len(list(carry.vals))
+  return params["num_consts"], params["num_carry"]
+
+
+def uses_of(jaxpr: Flat) -> dict[Any, list[int]]:
+  """Each value's consumers, by equation index."""
+  uses: dict[Any, list[int]] = {}
+  for i, eqn in enumerate(jaxpr.eqns):
+    for v in values(eqn.invars):
+      uses.setdefault(v, []).append(i)
+  return uses

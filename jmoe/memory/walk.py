@@ -12,6 +12,7 @@ by the op that makes it and freed after its last use. What the walk assumes of X
   keeps only the values that leave it;
 - a loop allocates its stacked outputs before its first step and each step writes its slice in
   place; stacked weights its grouped GEMMs read transposed get one transposed copy of the stack;
+  a carry is split as finely as its start or what a step makes of it, whichever is finer;
 - per device, a value takes its global bytes over the number of devices it is split across: known
   exactly for the inputs, every `constrain`ed activation and everything inside `shard_map`;
   elsewhere taken from the value's operands or from what it feeds (weight-shaped values are
@@ -32,7 +33,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, Eqn, Flat, Where, flatten,
-                              is_literal, operands_of, values)
+                              is_literal, operands_of, scan_counts, uses_of, values)
 
 def divisor(spec, mesh_shape) -> int:
   """How many pieces `spec` cuts an array into (dimensions left unconstrained: none)."""
@@ -71,15 +72,6 @@ class _Walk:
   outs: list[Value]
   largest: list[Value] = dataclasses.field(default_factory=list)  # live at the peak
   backward: bool = False  # whether the peak is in the backward pass
-
-
-def _uses(jaxpr: Flat) -> dict[Any, list[int]]:
-  """Each value's consumers, by equation index."""
-  uses: dict[Any, list[int]] = {}
-  for i, eqn in enumerate(jaxpr.eqns):
-    for v in values(eqn.invars):
-      uses.setdefault(v, []).append(i)
-  return uses
 
 
 def _written_in_place(jaxpr: Flat, in_place, uses: dict) -> set:
@@ -183,7 +175,7 @@ class Walker:
     """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
     shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
     buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
-    uses = _uses(jaxpr)
+    uses = uses_of(jaxpr)
     in_place = _written_in_place(jaxpr, in_place, uses)
     fallback = max([env[v].d or 1 for v in jaxpr.invars if v in env] + [outer_split])
     inners = self._place(jaxpr, env, uses, in_place, local, fallback)
@@ -268,8 +260,9 @@ class Walker:
   def _ragged_on_cpu(self, eqn, local: bool, split: int) -> _Walk:
     """XLA's CPU backend runs a ragged dot as one dense float32 product per group over all the
     rows: each row-indexed operand and result exists once per group while it runs."""
-    groups = eqn.invars[2].aval.shape[0]
-    rows = [v.aval for v in (*eqn.invars[:2], *eqn.outvars) if len(v.aval.shape) == 2]
+    groups = eqn.invars[2].aval.shape[-1]  # [batch..., groups] where the dot is batched (vmap)
+    _, (batch, _) = eqn.params["ragged_dot_dimension_numbers"].dot_dimension_numbers
+    rows = [v.aval for v in (*eqn.invars[:2], *eqn.outvars) if len(v.aval.shape) == 2 + len(batch)]
     # in float32, whatever the operands' type (as every CPU product)
     b = sum(groups * nbytes(aval, 1 if local else split) * 4 // np.dtype(aval.dtype).itemsize
             for aval in rows)
@@ -363,13 +356,21 @@ class Walker:
 
   def _scan(self, eqn: Eqn, ins, local: bool, split: int):
     body = flatten(eqn.subs[0], Where(backward=eqn.backward, kind=eqn.where.kind))
-    env = {v: value or Value(0, None, "activations") for v, value in zip(body.invars, ins)}
     # Each step's stacked outputs are written straight into the loop's output buffers.
     length = eqn.params["length"]
     stacked = {v for v, out in zip(body.outvars, eqn.outvars)
                if not is_literal(v) and tuple(out.aval.shape) == (length, *v.aval.shape)}
-    inner = self.walk(body, env, local=local, in_place=stacked,
-                      outer_split=max(split, self._split_of(ins)))
+    (first, count), ins = scan_counts(eqn.params), list(ins)
+    for _ in range(2):  # a carry is placed as finely as its start or what a step makes of it
+      env = {v: value or Value(0, None, "activations") for v, value in zip(body.invars, ins)}
+      inner = self.walk(body, env, local=local, in_place=stacked,
+                        outer_split=max(split, self._split_of(ins)))
+      finer = [k for k in range(first, first + count) if ins[k] is not None
+               and (inner.outs[k - first].d or 0) > (ins[k].d or 1)]
+      if not finer:
+        break
+      ins = [x if k not in finer else dataclasses.replace(x, d=inner.outs[k - first].d)
+             for k, x in enumerate(ins)]
     hoisted = self._transposed_stacks(body, ins, length, local, split)
     if hoisted:
       inner = dataclasses.replace(inner, peak=inner.peak + hoisted,
