@@ -2,7 +2,8 @@
 
 Packages import downward only, in this order (tests/test_layout.py reads this line):
   errors <- cli <- ops <- config <- parallel <- moe <- model <- data <- checkpoint
-  <- inference <- train <- memory <- api <- convert <- score <- distributed <- xla_flags
+  <- inference <- train <- memory <- api <- convert <- score <- generate <- distributed
+  <- xla_flags
 cli is what commands share; ops, the kernels and primitives, needs nothing of jmoe but its errors;
 config validates against the registries there; from api on: the Python API, the commands and
 their helpers (a `__main__.py` may import anything).
@@ -29,7 +30,7 @@ e.g. `x_BSD`, `w_in_ED2F`, `probs_TE`, `send_PD`.
 
 __version__ = "0.1.0"
 
-_API = ("Config", "Trainer", "estimate_memory", "load_config", "load_model", "score")
+_API = ("Config", "Trainer", "estimate_memory", "generate", "load_config", "load_model", "score")
 
 
 def __getattr__(name: str):

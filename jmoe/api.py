@@ -6,6 +6,7 @@
     load_LE = trainer.expert_load()      # [MoE layers, experts]
   config, model = jmoe.load_model("/tmp/run")   # a workdir or a model checkpoint
   logprobs = jmoe.score(model, [[1, 2, 3, 4]])
+  new_tokens = jmoe.generate(model, [[1, 2, 3]], max_new_tokens=8)   # greedy, with a KV cache
   print(jmoe.estimate_memory(config).table())   # per device, before compiling
 """
 
@@ -20,7 +21,8 @@ from flax import nnx
 from jmoe.config import Config, ParallelConfig, load_config
 from jmoe.train.loop import Trainer
 
-__all__ = ["Config", "Trainer", "estimate_memory", "load_config", "load_model", "score"]
+__all__ = ["Config", "Trainer", "estimate_memory", "generate", "load_config", "load_model",
+           "score"]
 
 
 def load_model(path: str | pathlib.Path, devices: Sequence[jax.Device] | None = None
@@ -38,6 +40,18 @@ def score(model: nnx.Module, sequences: list[list[int]],
   from jmoe.inference.score import score as score_on
   from jmoe.parallel import make_layout
   return score_on(model, make_layout(ParallelConfig(), devices), sequences)
+
+
+def generate(model: nnx.Module, prompts: list[list[int]], *, max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, cache: bool = True,
+             devices: Sequence[jax.Device] | None = None) -> list[list[int]]:
+  """New tokens after each prompt, as `python -m jmoe.generate` prints them (`cache=False`:
+  the whole sequence again each step, the reference)."""
+  from jmoe.inference.generate import generate as generate_on
+  from jmoe.parallel import make_layout
+  return generate_on(model, make_layout(ParallelConfig(), devices), prompts,
+                     max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                     seed=seed, cache=cache)
 
 
 def estimate_memory(config: Config, devices: Sequence[jax.Device] | None = None,

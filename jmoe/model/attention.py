@@ -14,6 +14,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
+from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, same_document
@@ -54,6 +55,30 @@ class Attention(nnx.Module):
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
     """`segment_ids_BS`: which packed document each token belongs to; tokens attend only within
     their own (None: one document per row)."""
+    q_BSHA, k_BSGA, v_BSGA = self._qkv(x_BSD, positions_BS)
+    out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
+                               "attention_out")
+    return self._out(out_BSHA)
+
+  def cache_shapes(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+    g, a = self.cfg.num_kv_heads, self.cfg.head_dim
+    return {"k": (batch, length, g, a), "v": (batch, length, g, a)}
+
+  def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, layer, cache: dict):
+    """The tokens at `positions_BS` (consecutive in each row) against the cache of what came
+    before them (jmoe/model/kv_cache.py); returns the output and the cache with them written."""
+    q_BSHA, k_BSGA, v_BSGA = self._qkv(x_BSD, positions_BS)
+    start_B = positions_BS[:, 0]
+    cache = {"k": kv_cache.write(cache["k"], k_BSGA, start_B),
+             "v": kv_cache.write(cache["v"], v_BSGA, start_B)}
+    cfg = self.cfg
+    allowed_B1ST = kv_cache.visible(positions_BS, cache["k"].shape[1], cfg.sliding_window,
+                                    cfg.windowed(layer))
+    out_BSHA = self._masked(q_BSHA, cache["k"].astype(q_BSHA.dtype),
+                            cache["v"].astype(q_BSHA.dtype), allowed_B1ST)
+    return self._out(out_BSHA), cache
+
+  def _qkv(self, x_BSD, positions_BS):
     cfg, dt = self.cfg, self.dtype
     proj = lambda w, b, site: project(x_BSD, gathered(w, dt), 1, site) + (
         0 if b is None else b[...].astype(dt))
@@ -64,9 +89,10 @@ class Attention(nnx.Module):
       q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
     k_BSGA = constrain(apply_rope(k_BSGA, positions_BS, cfg.rope_theta, cfg.yarn), KV_AXES)
-    v_BSGA = constrain(v_BSGA, KV_AXES)
-    out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
-                               "attention_out")
+    return q_BSHA, k_BSGA, constrain(v_BSGA, KV_AXES)
+
+  def _out(self, out_BSHA):
+    dt = self.dtype
     out_BSD = project(constrain(out_BSHA, Q_AXES), gathered(self.w_o_HAD, dt), 2, self.fp8_o)
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
@@ -87,12 +113,18 @@ class Attention(nnx.Module):
     allowed_11SS = ((distance_SS >= 0) & (jnp.logical_not(windowed_here) | in_window_SS))[None, None]
     if segment_ids_BS is not None:
       allowed_11SS = allowed_11SS & same_document(segment_ids_BS)  # now [B, 1, S, S]
+    return self._masked(q_BSHA, k_BSGA, v_BSGA, allowed_11SS)
+
+  def _masked(self, q_BSHA, k_BTGA, v_BTGA, allowed_B1ST):
+    """Attention where `allowed_B1ST` says which keys each query sees, and the sinks."""
+    kwargs = dict(scale=softmax_scale(self.cfg.head_dim, self.cfg.yarn),
+                  kernel=self.cfg.attention_kernel)
     if self.sinks_H is None:
-      return attention(q_BSHA, k_BSGA, v_BSGA, mask=allowed_11SS, **kwargs)
+      return attention(q_BSHA, k_BTGA, v_BTGA, mask=allowed_B1ST, **kwargs)
     # A sink is one more key that every query sees, whose logit is the head's learned sink and
     # whose value is zero: it only adds exp(sink) to each softmax denominator.
     pad = lambda t: jnp.pad(t, ((0, 0), (1, 0), (0, 0), (0, 0)))
-    mask_11SS = jnp.pad(allowed_11SS, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=True)
-    bias_1H1S = jnp.zeros((1, q_BSHA.shape[2], 1, seq + 1), q_BSHA.dtype).at[:, :, 0, 0].set(
-        self.sinks_H[...].astype(q_BSHA.dtype))
-    return attention(q_BSHA, pad(k_BSGA), pad(v_BSGA), bias=bias_1H1S, mask=mask_11SS, **kwargs)
+    mask_B1ST = jnp.pad(allowed_B1ST, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=True)
+    bias_1H1T = jnp.zeros((1, q_BSHA.shape[2], 1, k_BTGA.shape[1] + 1), q_BSHA.dtype)
+    bias_1H1T = bias_1H1T.at[:, :, 0, 0].set(self.sinks_H[...].astype(q_BSHA.dtype))
+    return attention(q_BSHA, pad(k_BTGA), pad(v_BTGA), bias=bias_1H1T, mask=mask_B1ST, **kwargs)

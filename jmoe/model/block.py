@@ -47,3 +47,14 @@ class Block(nnx.Module):
     else:
       y_BSD, stats = self.mlp(self.mlp_norm(x_BSD)), None
     return constrain(x_BSD + y_BSD, RESIDUAL_AXES), stats
+
+  def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, layer, cache: dict):
+    """The block on new tokens with its attention's cache (jmoe/model/kv_cache.py): the output
+    and the cache with them written."""
+    a_BSD, cache = self.attn.decode(self.attn_norm(x_BSD), positions_BS, layer, cache)
+    x_BSD = constrain(x_BSD + a_BSD, RESIDUAL_AXES)
+    if isinstance(self.mlp, MoE):
+      y_BSD, _ = self.mlp(self.mlp_norm(x_BSD))
+    else:
+      y_BSD = self.mlp(self.mlp_norm(x_BSD))
+    return constrain(x_BSD + y_BSD, RESIDUAL_AXES), cache

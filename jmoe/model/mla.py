@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.config import ModelConfig
 from jmoe.model.attention import KV_AXES, Q_AXES
+from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, causal_document_mask
@@ -52,6 +53,30 @@ class MLAttention(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
+    q_BSHA, latent_BSR, k_rope_BSp = self._project(x_BSD, positions_BS)
+    mask = None if segment_ids_BS is None else causal_document_mask(segment_ids_BS)
+    return self._attend(q_BSHA, latent_BSR, k_rope_BSp, mask)
+
+  def cache_shapes(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
+    """The latent cache: each token's normalised latent and its shared rotary key."""
+    m = self.cfg.mla
+    return {"latent": (batch, length, m.kv_lora_rank),
+            "k_rope": (batch, length, m.qk_rope_head_dim)}
+
+  def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, layer, cache: dict):
+    """As Attention.decode, with the latent cache: the keys and values of every cached token
+    are expanded from its latent each step."""
+    q_BSHA, latent_BSR, k_rope_BSp = self._project(x_BSD, positions_BS)
+    start_B = positions_BS[:, 0]
+    cache = {"latent": kv_cache.write(cache["latent"], latent_BSR, start_B),
+             "k_rope": kv_cache.write(cache["k_rope"], k_rope_BSp, start_B)}
+    allowed_B1ST = kv_cache.visible(positions_BS, cache["latent"].shape[1], 0, False)
+    dt = q_BSHA.dtype
+    return self._attend(q_BSHA, cache["latent"].astype(dt), cache["k_rope"].astype(dt),
+                        allowed_B1ST), cache
+
+  def _project(self, x_BSD, positions_BS):
+    """The queries (rotary part roped), each token's normalised latent and its roped rotary key."""
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     w = lambda p: gathered(p, dt)
     if m.q_lora_rank:
@@ -61,22 +86,26 @@ class MLAttention(nnx.Module):
       q_BSHA = project(x_BSD, w(self.w_q_DHA), 1, self.fp8_q)
     kv_BSI = project(x_BSD, w(self.w_kv_a_DI), 1, self.fp8_kv_a)
     kv_BSR, k_rope_BSp = kv_BSI[..., :m.kv_lora_rank], kv_BSI[..., m.kv_lora_rank:]
-    kv_BSHY = project(self.kv_a_norm(kv_BSR), w(self.w_kv_b_RHY), 1, self.fp8_kv_b)
-    k_nope_BSHn, v_BSHW = kv_BSHY[..., :m.qk_nope_head_dim], kv_BSHY[..., m.qk_nope_head_dim:]
-
     rope = lambda t: apply_rope(t, positions_BS, cfg.rope_theta, cfg.yarn)
     q_BSHA = jnp.concatenate([q_BSHA[..., :m.qk_nope_head_dim],
                               rope(q_BSHA[..., m.qk_nope_head_dim:])], axis=-1)
-    k_rope_BSHp = jnp.broadcast_to(rope(k_rope_BSp[:, :, None, :]),
-                                   (*k_nope_BSHn.shape[:3], m.qk_rope_head_dim))
-    k_BSHA = jnp.concatenate([k_nope_BSHn, k_rope_BSHp], axis=-1)
+    return q_BSHA, self.kv_a_norm(kv_BSR), rope(k_rope_BSp[:, :, None, :])[:, :, 0]
+
+  def _attend(self, q_BSHA, latent_BTR, k_rope_BTp, mask):
+    """Attention of the queries over the keys and values expanded from the latents (`mask`:
+    which keys each query sees; None: causal)."""
+    m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
+    kv_BTHY = project(latent_BTR, gathered(self.w_kv_b_RHY, dt), 1, self.fp8_kv_b)
+    k_nope_BTHn, v_BTHW = kv_BTHY[..., :m.qk_nope_head_dim], kv_BTHY[..., m.qk_nope_head_dim:]
+    k_rope_BTHp = jnp.broadcast_to(k_rope_BTp[:, :, None, :],
+                                   (*k_nope_BTHn.shape[:3], m.qk_rope_head_dim))
+    k_BTHA = jnp.concatenate([k_nope_BTHn, k_rope_BTHp], axis=-1)
     # The attention kernel wants values as wide as keys: pad W up to A, drop the padding after.
     head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-    v_BSHA = jnp.pad(v_BSHW, ((0, 0), (0, 0), (0, 0), (0, max(head_dim - m.v_head_dim, 0))))
-    q_BSHA, k_BSHA, v_BSHA = (constrain(q_BSHA, Q_AXES), constrain(k_BSHA, KV_AXES),
-                              constrain(v_BSHA, KV_AXES))
-    mask = None if segment_ids_BS is None else causal_document_mask(segment_ids_BS)
-    out_BSHA = attention(q_BSHA, k_BSHA, v_BSHA, mask=mask, is_causal=mask is None,
+    v_BTHA = jnp.pad(v_BTHW, ((0, 0), (0, 0), (0, 0), (0, max(head_dim - m.v_head_dim, 0))))
+    q_BSHA, k_BTHA, v_BTHA = (constrain(q_BSHA, Q_AXES), constrain(k_BTHA, KV_AXES),
+                              constrain(v_BTHA, KV_AXES))
+    out_BSHA = attention(q_BSHA, k_BTHA, v_BTHA, mask=mask, is_causal=mask is None,
                          scale=softmax_scale(head_dim, cfg.yarn), kernel=cfg.attention_kernel)
     out_BSHW = checkpoint_name(constrain(out_BSHA, Q_AXES)[..., :m.v_head_dim], "attention_out")
-    return project(out_BSHW, w(self.w_o_HWD), 2, self.fp8_o)
+    return project(out_BSHW, gathered(self.w_o_HWD, dt), 2, self.fp8_o)

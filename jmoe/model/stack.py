@@ -49,3 +49,16 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
     # unrolled layers it could, undoing the remat, unless told not to.
     body = jax.checkpoint(body, policy=policy, prevent_cse=unroll > 1)
   return jax.lax.scan(body, x, (state, keys, indices), unroll=unroll)
+
+
+def decode_stack(stack: nnx.Module, x, positions_BS, cache: dict, first_layer: int = 0):
+  """Runs new tokens through every layer with each layer's cache (stacked [L, ...]): the last x
+  and the stacked caches with the tokens written (Block.decode)."""
+  graphdef, state = nnx.split(stack)
+  num_layers = jax.tree.leaves(state)[0].shape[0]
+
+  def body(x, layer):
+    layer_state, layer_cache, index = layer
+    return nnx.merge(graphdef, layer_state).decode(x, positions_BS, index, layer_cache)
+
+  return jax.lax.scan(body, x, (state, cache, first_layer + jnp.arange(num_layers)))

@@ -11,7 +11,7 @@ from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
 from jmoe.model.pipeline import run_pipeline
-from jmoe.model.stack import make_stack, run_stack
+from jmoe.model.stack import decode_stack, make_stack, run_stack
 from jmoe.moe import RouterStats, bias_step
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
@@ -92,6 +92,31 @@ class Transformer(nnx.Module):
     if mtp_stats:
       stats = jax.tree.map(lambda a, *b: jnp.concatenate([a, jnp.stack(b)]), stats, *mtp_stats)
     return self.final_norm(trunk_BSD), jnp.stack(mtp_out, axis=1), stats
+
+  def init_cache(self, batch: int, length: int) -> dict:
+    """An empty decoding cache for `batch` rows of up to `length` tokens: per layer stack, each
+    attention layer's keys and values (or MLA's latents) stacked over its layers, in the
+    compute dtype (jmoe/model/kv_cache.py)."""
+    cache = {}
+    for name in ("dense_blocks", "moe_blocks"):
+      stack = getattr(self, name)
+      if stack is not None:
+        layers = jax.tree.leaves(nnx.state(stack))[0].shape[0]
+        cache[name] = {k: jnp.zeros((layers, *shape), self.embed.dtype)
+                       for k, shape in stack.attn.cache_shapes(batch, length).items()}
+    return cache
+
+  def decode(self, tokens_BS: jax.Array, positions_BS: jax.Array, cache: dict
+             ) -> tuple[jax.Array, dict]:
+    """Float32 logits of the tokens at `positions_BS` (consecutive in each row, after the ones
+    the cache holds), and the cache with them written. The MTP modules take no part."""
+    x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
+    cache = dict(cache)
+    for name, first in (("dense_blocks", 0), ("moe_blocks", self.first_moe_layer)):
+      if getattr(self, name) is not None:
+        x_BSD, cache[name] = decode_stack(getattr(self, name), x_BSD, positions_BS, cache[name],
+                                          first)
+    return self._logits(self.final_norm(x_BSD)), cache
 
   def head_weights(self, dtype) -> jax.Array:
     """The LM head as [D, V] in `dtype` (the embedding table, transposed, when tied)."""
