@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import numpy as np
+from flax import nnx
 import pytest
 from safetensors import safe_open
 
@@ -222,3 +223,41 @@ def test_convert_and_score_commands(tmp_path):
   (tmp_path / "bad.txt").write_text("1 2 300\n")
   result = run("jmoe.score", "--checkpoint", tmp_path / "ck", "--tokens-file", tmp_path / "bad.txt")
   assert result.returncode == 2 and "token id 300 is outside the model's vocabulary" in result.stderr
+
+
+def test_deepseek_prediction_modules_convert_both_ways(tmp_path):
+  """DeepSeek-V3's multi-token prediction module is layer num_layers of its checkpoints: export
+  writes it (with the copies of the embedding and head it shares), import reads it back into
+  `model.mtp_depth` exactly; transformers, which has no such module, still loads the model."""
+  config = tiny_config(**TRAINED["deepseek_v3"], train=dict(steps=2, warmup_steps=1))
+  train(config, tmp_path / "run", progress=False)
+  export_hf(tmp_path / "run", tmp_path / "hf")
+  exported = SafetensorsReader(tmp_path / "hf")
+  mtp = f"model.layers.{config.model.num_layers}."
+  for name in ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+               "shared_head.head.weight", "embed_tokens.weight", "self_attn.kv_b_proj.weight",
+               "mlp.experts.3.down_proj.weight", "mlp.gate.e_score_correction_bias"):
+    assert mtp + name in exported.weight_map, name
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  imported = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+  assert imported.model.mtp_depth == 1
+  layout = make_layout(ParallelConfig())
+  _, trained = load_model(tmp_path / "run", layout)
+  _, back = load_model(tmp_path / "ckpt", layout)
+  ours, theirs = nnx.to_flat_state(nnx.state(trained)), dict(nnx.to_flat_state(nnx.state(back)))
+  assert any(path[0] == "mtp" for path, _ in ours)
+  for path, variable in ours:
+    np.testing.assert_array_equal(np.asarray(theirs[path][...]), np.asarray(variable[...]),
+                                  err_msg=".".join(map(str, path)))
+  sequences = random_sequences(config.model.vocab_size, seed=2)
+  reference = hf_logprobs(tmp_path / "hf", sequences, tmp_path)
+  assert max_diff(jmoe_logprobs(tmp_path / "ckpt", sequences), reference) < 1e-4
+  # A checkpoint whose prediction module has an embedding of its own cannot be held.
+  data = {k: exported(k) for k in exported.weight_map}
+  data[mtp + "embed_tokens.weight"] = data[mtp + "embed_tokens.weight"] + 1
+  from safetensors.numpy import save_file
+  (tmp_path / "own").mkdir()
+  save_file(data, str(tmp_path / "own" / "model.safetensors"))
+  (tmp_path / "own" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+  with pytest.raises(ConfigError, match="differs from the model's own embedding"):
+    import_hf(tmp_path / "own", tmp_path / "own_ckpt")

@@ -7,6 +7,7 @@ Every jmoe parameter has one mapping below; a tensor that is missing is an error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -173,14 +174,41 @@ TOP_MAPPINGS = {
 }
 
 
+# A multi-token prediction module k is layer num_layers + k of DeepSeek-V3's checkpoints: a
+# decoder layer (its block) with these around it. Its embedding and head are copies of the
+# model's own, which jmoe's modules share: export writes them, import checks them.
+MTP_MAPPINGS = {
+    ("embed_norm", "scale"): _same("enorm.weight"),
+    ("hidden_norm", "scale"): _same("hnorm.weight"),
+    ("out_norm", "scale"): _same("shared_head.norm.weight"),
+    ("w_proj_2DD",): _linear("eh_proj.weight", 1),
+}
+
+
+def mtp_prefixes(config: Config, family: Family) -> list[str]:
+  """The Hugging Face name prefix of each multi-token prediction module ([] where the family's
+  checkpoints have none)."""
+  if not family.mtp_layers:
+    return []
+  return [f"model.layers.{config.model.num_layers + k}." for k in range(config.model.mtp_depth)]
+
+
 def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
           ) -> Iterator[tuple]:
   """(path, layer or None, HF name prefix, mapping) for every parameter (and layer) of the model."""
   layers = layer_mappings(family, config, interleaved)
   first_moe = config.moe.first_k_dense
+  prefixes = mtp_prefixes(config, family)
   for path, variable in nnx.to_flat_state(params):
     path = tuple(str(p) for p in path)
-    if path[0] == "mtp":  # transformers' models have no multi-token prediction modules
+    if path[0] == "mtp":
+      if not prefixes:  # transformers' other models have no multi-token prediction modules
+        continue
+      inner = path[3:] if path[2] == "block" else path[2:]
+      mapping = (layers if path[2] == "block" else MTP_MAPPINGS).get(inner)
+      if mapping is None:
+        raise ConfigError(f"no Hugging Face mapping for jmoe parameter {'.'.join(path)}")
+      yield path, variable, None, prefixes[int(path[1])], mapping
       continue
     if path[0] in ("dense_blocks", "moe_blocks"):
       if path[1:] not in layers:
@@ -206,10 +234,17 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   hf = read_json(hf_dir / "config.json")
   family = family_of_hf(hf)
   model_cfg, moe_cfg = family.to_jmoe(hf)
+  read = SafetensorsReader(hf_dir)
+  if model_cfg.mtp_depth:  # config.json may name modules whose weights were never saved
+    present = [f"model.layers.{model_cfg.num_layers + k}.eh_proj.weight" in read.weight_map
+               for k in range(model_cfg.mtp_depth)]
+    if not all(present):
+      log.info("%s: config.json names %d multi-token prediction module(s); the files hold %d",
+               hf_dir, model_cfg.mtp_depth, present.index(False))
+      model_cfg = dataclasses.replace(model_cfg, mtp_depth=present.index(False))
   config = from_config_dict(to_dict(Config(model=model_cfg, moe=moe_cfg,
                                            precision=PrecisionConfig(params=params_dtype,
                                                                      compute="float32"))))
-  read = SafetensorsReader(hf_dir)
   params = nnx.state(nnx.eval_shape(model_factory(config)))
   values: dict[tuple, np.ndarray] = {}
   interleaved = bool(hf.get("rope_interleave", False))
@@ -228,6 +263,14 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
       if path not in values:
         values[path] = np.empty(variable.shape, variable.dtype)
       values[path][layer] = value
+  for prefix in mtp_prefixes(config, family):  # copies of what jmoe's modules share
+    table_VD = values[("embed", "table")]
+    head_VD = table_VD if config.model.tie_embeddings else values[("head_DV",)].T
+    for name, own in (("embed_tokens.weight", table_VD), ("shared_head.head.weight", head_VD)):
+      if prefix + name in read.weight_map and not np.array_equal(read(prefix + name), own):
+        raise ConfigError(f"{hf_dir}: {prefix + name} differs from the model's own "
+                          f"{'embedding' if 'embed' in name else 'LM head'}, which jmoe's "
+                          f"prediction modules share; jmoe cannot hold a separate one")
   for path, variable in nnx.to_flat_state(params):
     variable.set_value(values.pop(tuple(str(p) for p in path)))
   unused = sorted(set(read.weight_map) - read.used)
@@ -259,7 +302,7 @@ def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
   layout = make_layout(ParallelConfig(), jax.devices()[:1])
   config, model = load_model(checkpoint, layout)
   family = check_exportable(config.model, config.moe)
-  if config.model.mtp_depth:
+  if config.model.mtp_depth and not family.mtp_layers:
     log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
                 "%s has none", config.model.mtp_depth, family.architecture)
   params = nnx.state(model)
@@ -275,6 +318,12 @@ def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
     out_dtype = np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
     for name, tensor in to_hf(value).items():
       writer.add(prefix + name, tensor.astype(out_dtype))
+  for prefix in mtp_prefixes(config, family):  # the copies of the shared embedding and head
+    table = np.asarray(jax.device_get(params["embed"]["table"][...]))
+    head = table if params.get("head_DV") is None else np.asarray(
+        jax.device_get(params["head_DV"][...])).T
+    writer.add(prefix + "embed_tokens.weight", table.astype(np_dtype))
+    writer.add(prefix + "shared_head.head.weight", head.astype(np_dtype))
   writer.close()
   hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
   (out / "config.json").write_text(json.dumps(hf, indent=2))

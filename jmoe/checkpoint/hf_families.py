@@ -27,6 +27,8 @@ class Family:
   dense_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
   router_name: str = "gate"
   fused_experts: bool = False  # all experts in one gate_up_proj [E, D, 2F] (gate, up interleaved)
+  # Multi-token prediction modules as layers after the last (DeepSeek-V3's checkpoints)
+  mtp_layers: bool = False
 
 
 def _get(hf: dict, key: str, *alternatives: str, default: Any = ConfigError) -> Any:
@@ -151,7 +153,7 @@ def _deepseek_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
                       mla=MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0,
                                     kv_lora_rank=_get(hf, "kv_lora_rank"), qk_nope_head_dim=nope,
                                     qk_rope_head_dim=rope, v_head_dim=_get(hf, "v_head_dim")),
-                      family="deepseek_v3")
+                      family="deepseek_v3", mtp_depth=hf.get("num_nextn_predict_layers") or 0)
   moe = MoEConfig(
       num_experts=_get(hf, "n_routed_experts", "num_local_experts"),
       top_k=_get(hf, "num_experts_per_tok"), d_ff_expert=_get(hf, "moe_intermediate_size"),
@@ -176,6 +178,7 @@ def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
               q_lora_rank=m.mla.q_lora_rank or None, kv_lora_rank=m.mla.kv_lora_rank,
               qk_nope_head_dim=m.mla.qk_nope_head_dim, qk_rope_head_dim=m.mla.qk_rope_head_dim,
               v_head_dim=m.mla.v_head_dim, rope_interleave=True,
+              num_nextn_predict_layers=m.mtp_depth,
               head_dim=m.mla.qk_rope_head_dim,  # transformers' rotary size for DeepSeek
               max_position_embeddings=max(m.yarn.original_max_len,
                                           int(m.yarn.original_max_len * m.yarn.factor)))
@@ -222,7 +225,7 @@ FAMILIES = {
                       moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_to_jmoe,
                           _deepseek_to_hf, moe_prefix="mlp",
-                          expert_names=("gate_proj", "up_proj", "down_proj")),
+                          expert_names=("gate_proj", "up_proj", "down_proj"), mtp_layers=True),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss_to_jmoe, _gpt_oss_to_hf,
                       moe_prefix="mlp", expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
                       router_name="router", fused_experts=True),
