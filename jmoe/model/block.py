@@ -42,19 +42,19 @@ class Block(nnx.Module):
     given, drives the router's training noise; `layer` is the block's index in the model."""
     x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, layer, segment_ids_BS),
                       RESIDUAL_AXES)
-    if isinstance(self.mlp, MoE):
-      y_BSD, stats = self.mlp(self.mlp_norm(x_BSD), rng=rng)
-    else:
-      y_BSD, stats = self.mlp(self.mlp_norm(x_BSD)), None
-    return constrain(x_BSD + y_BSD, RESIDUAL_AXES), stats
+    return self._mlp_part(x_BSD, rng)
 
   def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, layer, cache: dict):
     """The block on new tokens with its attention's cache (jmoe/model/kv_cache.py): the output
     and the cache with them written."""
     a_BSD, cache = self.attn.decode(self.attn_norm(x_BSD), positions_BS, layer, cache)
-    x_BSD = constrain(x_BSD + a_BSD, RESIDUAL_AXES)
+    x_BSD, _ = self._mlp_part(constrain(x_BSD + a_BSD, RESIDUAL_AXES), None)
+    return x_BSD, cache
+
+  def _mlp_part(self, x_BSD, rng):
+    """The residual after the MLP (or MoE layer), and the router stats (None for an MLP)."""
     if isinstance(self.mlp, MoE):
-      y_BSD, _ = self.mlp(self.mlp_norm(x_BSD))
+      y_BSD, stats = self.mlp(self.mlp_norm(x_BSD), rng=rng)
     else:
-      y_BSD = self.mlp(self.mlp_norm(x_BSD))
-    return constrain(x_BSD + y_BSD, RESIDUAL_AXES), cache
+      y_BSD, stats = self.mlp(self.mlp_norm(x_BSD)), None
+    return constrain(x_BSD + y_BSD, RESIDUAL_AXES), stats

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jmoe.model.stack import run_stack
+from jmoe.model.stack import depth, run_stack
 from jmoe.parallel import Layout, constrain
 
 
@@ -65,7 +65,7 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
   sched = Schedule(layout.stages, layout.repeats, micro_batches)
   S, R, M = sched.stages, sched.repeats, sched.micro_batches
   graphdef, state = nnx.split(stack)
-  num_layers = jax.tree.leaves(state)[0].shape[0]
+  num_layers = depth(stack)
   per_group = num_layers // (S * R)
   batch = x_BSD.shape[0]
   micro = batch // M

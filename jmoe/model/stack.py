@@ -25,6 +25,11 @@ def make_stack(make_layer: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
   return create(rngs)
 
 
+def depth(stack: nnx.Module) -> int:
+  """How many layers a stack made by `make_stack` holds (its parameters' leading axis)."""
+  return jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+
 def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None,
               first_layer: int | jax.Array = 0, unroll: int = 1, keys: jax.Array | None = None):
   """Runs x through every layer: `x, y = layer(x, *args, rng=key, layer=index)`, each layer with
@@ -33,7 +38,7 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
   `unroll` layers run per iteration of the loop (as many as the stack has: straight-line code,
   no loop buffers to fill)."""
   graphdef, state = nnx.split(stack)
-  num_layers = jax.tree.leaves(state)[0].shape[0]
+  num_layers = depth(stack)
   if keys is None and rng is not None:
     keys = jax.random.split(rng, num_layers)
   indices = first_layer + jnp.arange(num_layers)
@@ -55,10 +60,9 @@ def decode_stack(stack: nnx.Module, x, positions_BS, cache: dict, first_layer: i
   """Runs new tokens through every layer with each layer's cache (stacked [L, ...]): the last x
   and the stacked caches with the tokens written (Block.decode)."""
   graphdef, state = nnx.split(stack)
-  num_layers = jax.tree.leaves(state)[0].shape[0]
 
   def body(x, layer):
     layer_state, layer_cache, index = layer
     return nnx.merge(graphdef, layer_state).decode(x, positions_BS, index, layer_cache)
 
-  return jax.lax.scan(body, x, (state, cache, first_layer + jnp.arange(num_layers)))
+  return jax.lax.scan(body, x, (state, cache, first_layer + jnp.arange(depth(stack))))

@@ -11,7 +11,7 @@ from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
 from jmoe.model.pipeline import run_pipeline
-from jmoe.model.stack import decode_stack, make_stack, run_stack
+from jmoe.model.stack import decode_stack, depth, make_stack, run_stack
 from jmoe.moe import RouterStats, bias_step
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.ops.params import param
@@ -101,8 +101,7 @@ class Transformer(nnx.Module):
     for name in ("dense_blocks", "moe_blocks"):
       stack = getattr(self, name)
       if stack is not None:
-        layers = jax.tree.leaves(nnx.state(stack))[0].shape[0]
-        cache[name] = {k: jnp.zeros((layers, *shape), self.embed.dtype)
+        cache[name] = {k: jnp.zeros((depth(stack), *shape), self.embed.dtype)
                        for k, shape in stack.attn.cache_shapes(batch, length).items()}
     return cache
 
