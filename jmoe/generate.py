@@ -1,12 +1,15 @@
 """Continuations of prompts from a jmoe model.
 
-  python -m jmoe.generate --checkpoint CKPT (--prompt TEXT --tokenizer T | --tokens-file F)
+  python -m jmoe.generate --checkpoint CKPT (--prompt TEXT [--tokenizer T] [--chat] | --tokens-file F)
       [--max-new-tokens 32] [--temperature 0] [--top-p 1] [--seed 0] [--no-cache]
 
 CKPT is what `jmoe.score` takes: a model checkpoint (from `jmoe.convert import-hf`) or a training
 workdir (its latest checkpoint). `--prompt` may be given several times (a batch); T is a
-tokenizer.json file, or `bytes` for jmoe's byte tokenizer. F holds one prompt per line, token ids
-separated by spaces. Temperature 0 is greedy decoding; otherwise tokens are drawn from the
+tokenizer.json file (or a directory holding one; default: CKPT's own, which import-hf and training
+keep there), or `bytes` for jmoe's byte tokenizer. `--chat` makes each prompt a user's message,
+rendered with the chat template beside the tokenizer and followed by the assistant's turn; the
+reply is the new tokens through the first special token (its end of turn). F holds one prompt per
+line, token ids separated by spaces. Temperature 0 is greedy decoding; otherwise tokens are drawn from the
 softmax at that temperature, within the top-p nucleus, from `--seed`. Decoding keeps a key/value
 cache (multi-head latent attention: its latents); `--no-cache` recomputes the whole sequence at
 every step instead, the reference. Prints one JSON object per prompt and line:
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import sys
 
 from jmoe.cli import run
@@ -30,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prompt", action="append", help="a prompt's text (repeatable)")
   parser.add_argument("--tokenizer", help="tokenizer.json for --prompt and the output's text, "
                                           "or `bytes`")
+  parser.add_argument("--chat", action="store_true",
+                      help="each --prompt is a user's message in the tokenizer's chat template")
   parser.add_argument("--tokens-file", help="one prompt per line, token ids separated by spaces")
   parser.add_argument("--max-new-tokens", type=int, default=32)
   parser.add_argument("--temperature", type=float, default=0.0)
@@ -47,13 +53,28 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.prompt) == bool(args.tokens_file):
       raise ConfigError("give the prompts as --prompt TEXT (with --tokenizer) or as "
                         "--tokens-file F, one of the two")
-    if args.prompt and not args.tokenizer:
-      raise ConfigError("--prompt needs --tokenizer (a tokenizer.json file, or `bytes`)")
+    name = args.tokenizer
+    if args.prompt and not name:
+      name = args.checkpoint
+      if not (pathlib.Path(name) / "tokenizer.json").is_file():
+        raise ConfigError(f"--prompt needs --tokenizer (a tokenizer.json file, or `bytes`): "
+                          f"{name} holds no tokenizer.json of its own")
+    if args.chat and not args.prompt:
+      raise ConfigError("--chat takes the messages as --prompt TEXT")
     layout = make_layout(ParallelConfig())
     config, model = load_model(args.checkpoint, layout)
-    tokenizer = _tokenizer(args.tokenizer, config.model.vocab_size) if args.tokenizer else None
+    tokenizer = _tokenizer(name, config.model.vocab_size) if name else None
+    if args.chat:
+      from jmoe.data.chat import ChatTemplate
+      if tokenizer.path is None:
+        raise ConfigError("--chat needs a tokenizer.json with its chat template, not `bytes`")
+      template = ChatTemplate.from_files(tokenizer.path)
+      texts = [template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+               for text in args.prompt]
+    else:
+      texts = args.prompt
     if args.prompt:
-      prompts = [tokenizer.encode(text).tolist() for text in args.prompt]
+      prompts = [tokenizer.encode(text).tolist() for text in texts]
       if not all(prompts):
         raise ConfigError("a --prompt encodes to no tokens; give some text")
     else:
@@ -62,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
                        temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                        cache=not args.no_cache)
     for new in outputs:
+      if args.chat:
+        ends = [i for i, t in enumerate(new) if t in tokenizer.special_ids]
+        new = new[:ends[0] + 1] if ends else new
       record = {"tokens": new}
       if tokenizer is not None:
         record["text"] = tokenizer.decode(new)

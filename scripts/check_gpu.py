@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 
 TOLERANCE = 3e-3
-SHAPES = {"up": (128, 2048, 1536), "down": (128, 768, 2048), "odd": (6, 96, 80)}  # E, D, F
+SHAPES = {"up": (128, 2048, 1536), "down": (128, 768, 2048), "odd": (6, 96, 80),  # E, D, F
+          # LoRA factors of rank 16 on the up projection: x.A, then (x.A).B
+          "adapter_a": (128, 2048, 16), "adapter_b": (128, 16, 1536)}
 
 
 def relative_error(a, b) -> float:

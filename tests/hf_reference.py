@@ -5,6 +5,9 @@ under jmoe's own Python.
       a random-weight model from transformers' own config class, saved with save_pretrained
   python hf_reference.py logprobs MODEL_DIR TOKENS_JSON OUT_JSON
       log p(tokens[i+1] | tokens[:i+1]) for each sequence, in float32
+  python hf_reference.py chat TOKENIZER_DIR CONVERSATIONS_JSON OUT_JSON
+      each conversation through apply_chat_template: its text, and (for templates with
+      {% generation %} blocks) its token ids and assistant mask
 """
 
 import json
@@ -52,5 +55,20 @@ def logprobs(model_dir, tokens_json, out_json):
   json.dump(out, open(out_json, "w"))
 
 
+def chat(tokenizer_dir, conversations_json, out_json):
+  tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+  out = []
+  for messages in json.load(open(conversations_json)):
+    record = {"text": tokenizer.apply_chat_template(messages, tokenize=False),
+              "prompt": tokenizer.apply_chat_template(messages[:-1], tokenize=False,
+                                                      add_generation_prompt=True)}
+    if "generation" in tokenizer.chat_template:
+      encoded = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                              return_assistant_tokens_mask=True)
+      record.update(ids=list(encoded["input_ids"]), mask=list(encoded["assistant_masks"]))
+    out.append(record)
+  json.dump(out, open(out_json, "w"))
+
+
 if __name__ == "__main__":
-  {"build": build, "logprobs": logprobs}[sys.argv[1]](*sys.argv[2:])
+  {"build": build, "logprobs": logprobs, "chat": chat}[sys.argv[1]](*sys.argv[2:])

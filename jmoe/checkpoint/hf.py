@@ -19,8 +19,8 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
-from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, read_json,
-                                      refuse_to_overwrite, written_in_place)
+from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
+                                      read_json, refuse_to_overwrite, written_in_place)
 from jmoe.checkpoint.params import load_model, save_model
 from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
                          to_dict)
@@ -278,6 +278,7 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
     log.warning("%d tensors of %s are not used by jmoe, e.g. %s", len(unused), hf_dir, unused[:3])
   with written_in_place(out) as tmp:
     save_model(tmp, params, config)
+    copy_tokenizer_files(hf_dir, tmp)
   return config
 
 
@@ -300,7 +301,7 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
 def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
             rope_interleave: bool | None) -> None:
   layout = make_layout(ParallelConfig(), jax.devices()[:1])
-  config, model = load_model(checkpoint, layout)
+  config, model = load_model(checkpoint, layout, merge_adapters=True)
   family = check_exportable(config.model, config.moe)
   if config.model.mtp_depth and not family.mtp_layers:
     log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
@@ -327,3 +328,4 @@ def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
   writer.close()
   hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
   (out / "config.json").write_text(json.dumps(hf, indent=2))
+  copy_tokenizer_files(pathlib.Path(checkpoint), out)

@@ -66,6 +66,24 @@ class SafetensorsReader:
                           f"{str(e)[:200]}); download it again") from None
 
 
+# What a model directory holds for its tokenizer and chat template; carried by import-hf into
+# the checkpoint, by training into its workdir, and by export-hf back out.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer_files(source: pathlib.Path, target: pathlib.Path, replace: bool = True
+                         ) -> list[str]:
+  """Copies the `TOKENIZER_FILES` that `source` has into `target` (not over ones already there
+  unless `replace`); returns their names."""
+  copied = []
+  for name in TOKENIZER_FILES:
+    if (source / name).is_file() and (replace or not (target / name).exists()):
+      shutil.copyfile(source / name, target / name)
+      copied.append(name)
+  return copied
+
+
 def read_json(path: pathlib.Path) -> dict:
   try:
     value = json.loads(path.read_text())

@@ -10,6 +10,7 @@ its latest checkpoint, without its optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -21,10 +22,12 @@ from flax import nnx
 
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, quiet_orbax,
                                      require_complete, with_shardings)
-from jmoe.config import Config, ConfigError, from_config_dict, to_dict
+from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.fp8 import Fp8History
+from jmoe.ops.lora import merged
+from jmoe.ops.params import LoRAParam
 
 log = logging.getLogger("jmoe")
 
@@ -54,6 +57,28 @@ def read_config(directory: str | pathlib.Path) -> Config:
   return from_config_dict(saved)
 
 
+# How a model runs rather than what it is: kept from the run's own config when the architecture
+# comes from `checkpoint.load_params` (`checkpoint.load_params_config`).
+RUN_CHOICES = {"model": ("attention_kernel", "scan_unroll"),
+               "moe": ("dispatcher", "dispatch_factor", "dispatch_chunks", "capacity_factor",
+                       "drop_policy", "gemm", "expert_blocks", "balance"),
+               "moe.router": ("jitter", "force_balanced")}
+
+
+def with_saved_architecture(config: Config) -> Config:
+  """`config` with the model architecture of `checkpoint.load_params` when
+  `checkpoint.load_params_config` asks for it (else `config` itself)."""
+  if not (config.checkpoint.load_params and config.checkpoint.load_params_config):
+    return config
+  saved = read_config(config.checkpoint.load_params)
+  keep = lambda group, own, names: dataclasses.replace(
+      group, **{name: getattr(own, name) for name in names})
+  router = keep(saved.moe.router, config.moe.router, RUN_CHOICES["moe.router"])
+  moe = dataclasses.replace(keep(saved.moe, config.moe, RUN_CHOICES["moe"]), router=router)
+  model = keep(saved.model, config.model, RUN_CHOICES["model"])
+  return from_config_dict(to_dict(dataclasses.replace(config, model=model, moe=moe)))
+
+
 def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings: nnx.State
                    ) -> nnx.State:
   """The model variables saved in `directory` (a model checkpoint or a training workdir), shaped
@@ -62,6 +87,9 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
   if not directory.is_dir():
     raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
                       f"import-hf` or `upcycle`) or a training --workdir")
+  if (not (directory / "model").is_dir() and (directory / "config.json").is_file()
+      and read_config(directory).lora.rank):
+    return _read_adapted(directory, abstract, shardings)
   target = with_shardings(nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))
   run_state = lambda: _run_state_paths(read_config(directory))
   if (directory / "model").is_dir():
@@ -74,6 +102,28 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
   state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
   nnx.replace_by_pure_dict(state, pure)
   return state
+
+
+def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State
+                  ) -> nnx.State:
+  """The model of a LoRA run's workdir: its frozen parameters from the model it was trained on
+  (its checkpoint.load_params), the adapters and the other variables from its newest
+  checkpoint, which holds nothing else."""
+  config = read_config(workdir)
+  base = config.checkpoint.load_params
+  if not pathlib.Path(base).is_dir():
+    raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {base}, which is "
+                      f"gone; the adapters need it: put it back there")
+  frozen = nnx.All(nnx.Param, nnx.Not(LoRAParam))
+  split = lambda tree, which: nnx.split_state(tree, which, ...)
+  model = read_variables(base, split(abstract, nnx.Not(LoRAParam))[0],
+                         split(shardings, nnx.Not(LoRAParam))[0])
+  own_abstract, own_shardings = split(abstract, frozen)[1], split(shardings, frozen)[1]
+  target = with_shardings(nnx.to_pure_dict(own_abstract), nnx.to_pure_dict(own_shardings))
+  pure = _read_newest_readable(workdir, target, lambda: _run_state_paths(config))
+  own = jax.tree.map(lambda x: x, own_abstract)
+  nnx.replace_by_pure_dict(own, pure)
+  return nnx.merge_state(split(model, frozen)[0], own)
 
 
 def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
@@ -190,10 +240,19 @@ def _check(path: pathlib.Path, saved: Any, target: Any, run_state: set[tuple[str
                       f"model settings it was saved with (its config.json)")
 
 
-def load_model(directory: str | pathlib.Path, layout: Layout) -> tuple[Config, nnx.Module]:
+def load_model(directory: str | pathlib.Path, layout: Layout, merge_adapters: bool = False
+               ) -> tuple[Config, nnx.Module]:
   """The model of a model checkpoint, or of a training workdir's latest checkpoint, with its
-  variables placed on `layout`."""
+  variables placed on `layout`; a LoRA run's with its adapters, or (`merge_adapters`) with
+  them folded into its weights, as a model without LoRA."""
   config = read_config(directory)
   graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
   state = read_variables(directory, abstract, layout.shardings(abstract))
+  if merge_adapters and config.lora.rank:
+    pure = merged(jax.device_get(nnx.to_pure_dict(state)), config.lora.scale)
+    config = dataclasses.replace(config, lora=LoRAConfig())
+    graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
+    state = jax.tree.map(lambda x: x, abstract)
+    nnx.replace_by_pure_dict(state, jax.device_put(pure, nnx.to_pure_dict(
+        layout.shardings(abstract))))
   return config, nnx.merge(graphdef, state)

@@ -194,13 +194,19 @@ class TrainConfig:
 class DataConfig:
   # Where documents come from: comma-separated entries, each "[KIND:]PATH[@WEIGHT]" or "stdlib".
   # KIND: text (a file per document), jsonl, parquet (a text column), tokens (a directory from
-  # `python -m jmoe.data.prepare`); without it, it is read from the files. PATH: a file, a
+  # `python -m jmoe.data.prepare`), chat (JSONL conversations, see jmoe/data/chat.py: rendered
+  # with the tokenizer's chat template, only the assistant's tokens counted by the loss);
+  # without it, it is read from the files. PATH: a file, a
   # directory or a glob. WEIGHT: the entry's share of a mixture (default 1). "stdlib": the Python
   # standard library's own sources, present on every machine (capped at max_corpus_bytes).
   source: str = "stdlib"
   tokenizer: str = ""  # a tokenizer.json file; "": bytes (258 ids)
   eod_token: str = ""  # the tokenizer's end-of-document token; "": the first of the usual names
   text_key: str = "text"  # the JSON field or Parquet column holding the text
+  chat_key: str = "messages"  # chat sources: the JSON field holding a conversation's messages
+  # chat sources: a .jinja file or tokenizer_config.json; "": the chat_template.jinja or
+  # tokenizer_config.json beside data.tokenizer
+  chat_template: str = ""
   seq_len: int = 256
   # concat: documents concatenated and cut into rows (no padding; a long document spans rows);
   # none: one document per row, cut at seq_len and padded.
@@ -235,6 +241,32 @@ class CheckpointConfig:
   # A model checkpoint or training workdir whose model variables (not optimizer state or step)
   # start this run; used only when the workdir has no checkpoint of its own yet.
   load_params: str = ""
+  # True: the model's architecture (model.*, and moe.* but for how it runs: dispatch, GEMM
+  # backend, capacity, balancing, router noise) is the one load_params' config.json records.
+  load_params_config: bool = False
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+  """Low-rank adapters: with rank > 0 each targeted weight W computes as W + (alpha / rank) A B,
+  only A and B train (B starts at zero), and the base model stays frozen, out of the optimizer
+  and out of the run's checkpoints (it is read from checkpoint.load_params)."""
+  rank: int = 0  # 0: no adapters, every parameter trains
+  alpha: float = 16.0
+  # Comma-separated: attention (its projections), mlp (dense MLPs and shared experts), experts
+  # (each routed expert's gate/up and down projections, its own factors)
+  targets: str = "attention,mlp,experts"
+
+  @property
+  def scale(self) -> float:
+    return self.alpha / self.rank
+
+  def applies_to(self, name: str) -> bool:
+    """Whether adapters are on and `name` (attention, mlp or experts) is among the targets."""
+    return self.rank > 0 and name in [t.strip() for t in self.targets.split(",")]
+
+
+LORA_TARGETS = ("attention", "mlp", "experts")
 
 
 @dataclass(frozen=True)
@@ -246,6 +278,7 @@ class Config:
   data: DataConfig = field(default_factory=DataConfig)
   precision: PrecisionConfig = field(default_factory=PrecisionConfig)
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+  lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 def to_dict(config) -> dict:

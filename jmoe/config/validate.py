@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jmoe.config.schema import Config
+from jmoe.config.schema import LORA_TARGETS, Config
 from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
 from jmoe.ops.attention import ATTENTION_KERNELS
@@ -30,7 +30,7 @@ ATTENTIONS = ("gqa", "mla")
 
 def validate(config: Config) -> None:
   problems = [*_finite(config), *_model(config), *_moe(config), *_train(config), *_data(config),
-              *_other(config)]
+              *_other(config), *_lora(config)]
   if problems:
     raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
@@ -192,6 +192,27 @@ def _other(config: Config):
            f"parallel.expert.expert ({config.parallel.expert.expert})")
   if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
     yield "checkpoint.every must be >= 0 and checkpoint.keep >= 1"
+  if config.checkpoint.load_params_config and not config.checkpoint.load_params:
+    yield ("checkpoint.load_params_config takes the model's architecture from "
+           "checkpoint.load_params: name that checkpoint (--config.checkpoint.load_params=CKPT)")
+
+
+def _lora(config: Config):
+  lora = config.lora
+  if lora.rank < 0:
+    yield f"lora.rank must be >= 0 (0: no adapters), got {lora.rank}"
+  if lora.rank <= 0:
+    return
+  targets = [t.strip() for t in lora.targets.split(",") if t.strip()]
+  unknown = [t for t in targets if t not in LORA_TARGETS]
+  if unknown or not targets:
+    yield (f"lora.targets names {unknown or 'nothing'}; give a comma-separated list of "
+           f"{', '.join(LORA_TARGETS)}")
+  if lora.alpha <= 0:
+    yield f"lora.alpha must be positive, got {lora.alpha}"
+  if not config.checkpoint.load_params:
+    yield ("lora.rank > 0 trains adapters on a frozen model, read from checkpoint.load_params "
+           "(and read again on resume: the run's checkpoints hold only the adapters): name it")
 
 
 def _pipeline(config: Config):

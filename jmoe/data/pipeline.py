@@ -9,7 +9,9 @@ are the input position saved with each checkpoint, and resuming restores them, s
 reads exactly the batches the uninterrupted run would have read.
 
 A batch is a dict of int32 [rows, seq_len + 1] arrays: `tokens`, `segment_ids` (1, 2, ... for
-the documents of a row; 0 for padding) and `positions` (each token's place in its document).
+the documents of a row; 0 for padding) and `positions` (each token's place in its document);
+with chat sources also `loss_mask` (1 where the token is a target the loss counts: the
+assistant's; every token of plain-text documents).
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from jmoe.parallel import Layout
 
 log = logging.getLogger("jmoe")
 KEYS = ("tokens", "segment_ids", "positions")
+MASKED_KEYS = KEYS + ("loss_mask",)
+
+
+def batch_keys(cfg: DataConfig) -> tuple[str, ...]:
+  """The arrays of a batch: with a chat source, the loss mask too."""
+  return MASKED_KEYS if any(e.kind == "chat" for e in parse_sources(cfg.source)) else KEYS
 
 
 def open_documents(cfg: DataConfig, vocab_size: int):
@@ -65,28 +73,44 @@ def training_order(config: Config, parts: list) -> grain.MapDataset:
                         config.data.shuffle, None)
 
 
-def _pad_row(width: int):
+def _pad_row(width: int, keys: tuple[str, ...]):
   def pad(element):
     tokens = element["tokens"][:width]
-    out = {key: np.zeros(width, np.int32) for key in KEYS}
+    out = {key: np.zeros(width, np.int32) for key in keys}
     out["tokens"][:tokens.size] = tokens
     out["segment_ids"][:tokens.size] = 1
     out["positions"][:tokens.size] = np.arange(tokens.size)
+    if "loss_mask" in keys:
+      out["loss_mask"][:tokens.size] = element["loss_mask"][:width]
     return out
   return pad
 
 
+def _element(keys: tuple[str, ...]):
+  """A document as a dict: its tokens, and with `loss_mask` in `keys` its mask (all ones for
+  plain text)."""
+  def element(document):
+    out = dict(document) if isinstance(document, dict) else {"tokens": document}
+    if "loss_mask" in keys and "loss_mask" not in out:
+      out["loss_mask"] = np.ones_like(out["tokens"])
+    return out
+  return element
+
+
 def row_stream(documents: grain.MapDataset, row: int, num_rows: int, width: int,
-               packing: str) -> grain.IterDataset:
-  """The rows (dicts of `KEYS`, `width` tokens each) that batch row `row` takes, in order."""
-  docs = documents[row::num_rows].map(lambda ids: {"tokens": ids})
+               packing: str, keys: tuple[str, ...] = KEYS) -> grain.IterDataset:
+  """The rows (dicts of `keys`, `width` tokens each) that batch row `row` takes, in order."""
+  docs = documents[row::num_rows].map(_element(keys))
   # One reading thread per stream: a process has many streams, and one thread fills batches.
   stream = docs.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   if packing == "none":
-    return stream.map(_pad_row(width))
-  packed = ConcatThenSplitIterDataset(stream, length_struct={"tokens": width})
+    return stream.map(_pad_row(width, keys))
+  masked = "loss_mask" in keys
+  lengths = {"tokens": width, **({"loss_mask": width} if masked else {})}
+  packed = ConcatThenSplitIterDataset(stream, length_struct=lengths)
   return packed.map(lambda e: {"tokens": e["tokens"], "segment_ids": e["tokens_segment_ids"],
-                               "positions": e["tokens_positions"]})
+                               "positions": e["tokens_positions"],
+                               **({"loss_mask": e["loss_mask"]} if masked else {})})
 
 
 class Batches:
@@ -95,9 +119,9 @@ class Batches:
   process makes the same number of batches; `finished` says when all of this process's have."""
 
   def __init__(self, documents: grain.MapDataset, rows: list[int], num_rows: int, width: int,
-               packing: str):
-    self.rows, self.width = list(rows), width
-    self._streams = {row: iter(row_stream(documents, row, num_rows, width, packing))
+               packing: str, keys: tuple[str, ...] = KEYS):
+    self.rows, self.width, self.keys = list(rows), width, keys
+    self._streams = {row: iter(row_stream(documents, row, num_rows, width, packing, keys))
                      for row in self.rows}
     self._done: set[int] = set()
 
@@ -112,9 +136,9 @@ class Batches:
       except StopIteration:
         self._done.add(row)
         out.append(None)
-    empty = {key: np.zeros(self.width, np.int32) for key in KEYS}
+    empty = {key: np.zeros(self.width, np.int32) for key in self.keys}
     return {key: np.stack([np.asarray((e or empty)[key], np.int32) for e in out])
-            for key in KEYS}
+            for key in self.keys}
 
   @property
   def finished(self) -> bool:
@@ -237,10 +261,11 @@ class DataPipeline:
     self.config, self.layout = config, layout
     self.batch_size, self.width = config.train.batch_size, cfg.seq_len + 1
     self.tokenizer, parts = open_documents(cfg, config.model.vocab_size)
+    self.keys = batch_keys(cfg)
     self.rows = local_rows(layout, self.batch_size, self.width) if rows is None else rows
     self._position = {row: i for i, row in enumerate(self.rows)}
     self._loader = Prefetcher(Batches(training_order(config, parts), self.rows, self.batch_size,
-                                      self.width, cfg.packing), cfg.prefetch)
+                                      self.width, cfg.packing, self.keys), cfg.prefetch)
     held = [p[1] for p in parts if p[1] is not None]
     self._held = (grain.MapDataset.concatenate([grain.MapDataset.source(s) for s in held])
                   if held else None)
@@ -248,7 +273,7 @@ class DataPipeline:
 
   def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
     return {key: jax.ShapeDtypeStruct((self.batch_size, self.width), np.int32,
-                                      sharding=self.layout.batch) for key in KEYS}
+                                      sharding=self.layout.batch) for key in self.keys}
 
   def _global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     def one(array):
@@ -256,7 +281,7 @@ class DataPipeline:
           (self.batch_size, self.width), self.layout.batch,
           lambda index: array[[self._position[r]
                                for r in range(*index[0].indices(self.batch_size))]][:, index[1]])
-    return {key: one(local[key]) for key in KEYS}
+    return {key: one(local[key]) for key in self.keys}
 
   def check_first_batch(self) -> None:
     """Reads the next batch ahead: documents that cannot be read stop the run now, not after
@@ -278,7 +303,8 @@ class DataPipeline:
     if self._held is None:
       raise ConfigError("evaluation needs held-out documents: set data.eval_fraction")
     if self._eval is None:
-      batches = Batches(self._held, self.rows, self.batch_size, self.width, self.config.data.packing)
+      batches = Batches(self._held, self.rows, self.batch_size, self.width,
+                        self.config.data.packing, self.keys)
       self._eval = [self._global(b) for _, b in zip(range(self.config.data.eval_batches), batches)]
     return self._eval
 
@@ -297,7 +323,8 @@ def global_batches(config: Config) -> Batches:
   """The global training batches as numpy arrays: all rows, read in this one process."""
   _, parts = open_documents(config.data, config.model.vocab_size)
   return Batches(training_order(config, parts), list(range(config.train.batch_size)),
-                 config.train.batch_size, config.data.seq_len + 1, config.data.packing)
+                 config.train.batch_size, config.data.seq_len + 1, config.data.packing,
+                 batch_keys(config.data))
 
 
 def first_batches(config: Config, count: int = 1) -> list[dict[str, np.ndarray]]:

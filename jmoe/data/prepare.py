@@ -82,6 +82,9 @@ def prepare(source: str, out: str | pathlib.Path, tokenizer_path: str = "",
   for entry in entries:
     if entry.kind == "tokens":
       raise ConfigError(f"{entry.text} is already token shards")
+    if entry.kind == "chat":
+      raise ConfigError(f"{entry.text}: chat data is read as it is (data.source="
+                        f"chat:FILE.jsonl), not prepared into token shards")
   dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
   tmp = out.with_name(out.name + ".partial")
   shutil.rmtree(tmp, ignore_errors=True)

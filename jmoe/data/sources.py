@@ -17,7 +17,7 @@ import numpy as np
 
 from jmoe.config import ConfigError, DataConfig
 
-KINDS = ("text", "jsonl", "parquet", "tokens")
+KINDS = ("text", "jsonl", "parquet", "tokens", "chat")
 SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 TOKENS_INDEX = "index.json"  # what marks a directory of token shards
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -71,6 +71,7 @@ class FileTexts:
 
 class JsonlTexts:
   """Each line of the files a JSON object whose `key` field is a document."""
+  value_type, value_name = str, "text field"
 
   def __init__(self, paths: list[pathlib.Path], key: str):
     self.key = key
@@ -98,10 +99,40 @@ class JsonlTexts:
     except ValueError as e:
       raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e}); a JSONL source "
                         f"holds one JSON object per line") from None
-    if not isinstance(record, dict) or not isinstance(record.get(self.key), str):
-      raise ConfigError(f"{path}: the line at byte {start} has no text field {self.key!r} "
-                        f"(set data.text_key)")
+    if not isinstance(record, dict) or not isinstance(record.get(self.key), self.value_type):
+      raise ConfigError(f"{path}: the line at byte {start} has no {self.value_name} "
+                        f"{self.key!r} (set data.{'text' if self.value_type is str else 'chat'}"
+                        f"_key)")
     return record[self.key]
+
+  def where(self, index: int) -> str:
+    number, start = self._offsets[index]
+    return f"{self._files[number]}: the line at byte {start}"
+
+
+class JsonlChats(JsonlTexts):
+  """Each line of the files a JSON object whose `key` field is a conversation (a list of
+  messages)."""
+  value_type, value_name = list, "list of messages"
+
+
+class Chats:
+  """Conversations as documents: {"tokens", "loss_mask"}, the assistant's tokens counted, each
+  closed by the end-of-document id (not counted)."""
+
+  def __init__(self, conversations: JsonlChats, tokenizer, template, name: str):
+    self._conversations, self._tokenizer, self._template = conversations, tokenizer, template
+    self.name = name
+
+  def __len__(self) -> int:
+    return len(self._conversations)
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    from jmoe.data.chat import check_messages, tokenize_chat
+    messages = check_messages(self._conversations[index], self._conversations.where(index))
+    ids, mask = tokenize_chat(messages, self._template, self._tokenizer)
+    return {"tokens": np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)]),
+            "loss_mask": np.concatenate([mask, np.zeros(1, np.int32)])}
 
 
 class ParquetTexts:
@@ -249,9 +280,10 @@ def _resolve(pattern: str, kind: str | None, weight: float, text: str) -> Entry:
   if kind == "tokens":
     raise ConfigError(f"data.source entry {text!r}: {path} has no {TOKENS_INDEX}; write token "
                       f"shards with `python -m jmoe.data.prepare`")
+  suffix_kind = "jsonl" if kind == "chat" else kind  # conversations are JSONL files
   if path.is_dir():
     files = sorted(p for p in path.rglob("*") if p.is_file() and
-                   (p.suffix in SUFFIXES if kind is None else SUFFIXES.get(p.suffix) == kind))
+                   (p.suffix in SUFFIXES if kind is None else SUFFIXES.get(p.suffix) == suffix_kind))
   elif any(c in pattern for c in "*?["):
     files = sorted(pathlib.Path(p) for p in glob.glob(pattern, recursive=True)
                    if pathlib.Path(p).is_file())
@@ -293,6 +325,17 @@ def open_entry(entry: Entry, cfg: DataConfig, tokenizer, vocab_size: int):
   """The document source of one `data.source` entry."""
   if entry.kind == "tokens":
     return TokenShards(entry.paths[0], vocab_size, tokenizer)
+  if entry.kind == "chat":
+    if tokenizer.path is None:
+      raise ConfigError(f"data.source entry {entry.text!r}: chat data is rendered with a "
+                        f"checkpoint's chat template and tokenizer; set data.tokenizer to its "
+                        f"tokenizer.json (or the directory holding it)")
+    from jmoe.data.chat import ChatTemplate
+    template = ChatTemplate.from_files(tokenizer.path, cfg.chat_template)
+    conversations = JsonlChats(list(entry.paths), cfg.chat_key)
+    if not len(conversations):
+      raise ConfigError(f"data.source entry {entry.text!r} holds no conversations")
+    return Chats(conversations, tokenizer, template, entry.text)
   if entry.kind == "stdlib":
     texts = FileTexts(stdlib_files(cfg.max_corpus_bytes))
   elif entry.kind == "text":

@@ -22,6 +22,9 @@ class ByteTokenizer:
   PAD = 257
   vocab_size = 258
   fingerprint = "bytes"
+  path = None
+  special_ids: set[int] = set()
+  special_tokens: list[str] = []
 
   def encode(self, text: str | bytes) -> np.ndarray:
     data = text.encode("utf-8") if isinstance(text, str) else text
@@ -40,9 +43,12 @@ class HFTokenizer:
   def __init__(self, path: str | pathlib.Path, eod_token: str = ""):
     from tokenizers import Tokenizer
     path = pathlib.Path(path)
+    if path.is_dir():  # a checkpoint or Hugging Face directory holding one
+      path = path / "tokenizer.json"
     if not path.is_file():
       raise ConfigError(f"data.tokenizer: {path} does not exist (give the path of a "
-                        f"tokenizer.json file)")
+                        f"tokenizer.json file, or of the directory that holds it)")
+    self.path = path
     try:
       self._tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # noqa: BLE001 - the library's message says what is wrong
@@ -55,6 +61,9 @@ class HFTokenizer:
       raise ConfigError(f"data.tokenizer: {path} has no end-of-document token among "
                         f"{list(names)}; name it with data.eod_token")
     self.EOD = self.PAD = int(found[0])
+    special = {i: t.content for i, t in self._tokenizer.get_added_tokens_decoder().items()
+               if t.special}
+    self.special_ids, self.special_tokens = set(special), list(special.values())
     self.fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 
   def encode(self, text: str | bytes) -> np.ndarray:

@@ -13,14 +13,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmoe.config import ModelConfig
+from jmoe.config import LoRAConfig, ModelConfig
 from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
+from jmoe.model.lora import adapted, adapters
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, same_document
-from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
+from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.params import param
-from jmoe.parallel import constrain, gathered
+from jmoe.parallel import constrain
 
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
@@ -30,7 +31,7 @@ KV_AXES = ("act_batch", None, "act_kv_heads", None)
 class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
     self.cfg = cfg
     self.dtype = dtype
     self.fp8_q, self.fp8_k, self.fp8_v, self.fp8_o = (fp8_site(fp8) for _ in range(4))
@@ -50,6 +51,9 @@ class Attention(nnx.Module):
                     if cfg.attention_sinks else None)
     self.q_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = RMSNorm(a, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs) if cfg.qk_norm else None
+    self.lora = adapters(lora, "attention", rngs, w_q_DHA=(self.w_q_DHA, 1),
+                         w_k_DGA=(self.w_k_DGA, 1), w_v_DGA=(self.w_v_DGA, 1),
+                         w_o_HAD=(self.w_o_HAD, 2))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
@@ -80,11 +84,11 @@ class Attention(nnx.Module):
 
   def _qkv(self, x_BSD, positions_BS):
     cfg, dt = self.cfg, self.dtype
-    proj = lambda w, b, site: project(x_BSD, gathered(w, dt), 1, site) + (
-        0 if b is None else b[...].astype(dt))
-    q_BSHA = proj(self.w_q_DHA, self.b_q_HA, self.fp8_q)
-    k_BSGA = proj(self.w_k_DGA, self.b_k_GA, self.fp8_k)
-    v_BSGA = proj(self.w_v_DGA, self.b_v_GA, self.fp8_v)
+    proj = lambda name, b, site: adapted(x_BSD, getattr(self, name), 1, site, dt, self.lora,
+                                         name) + (0 if b is None else b[...].astype(dt))
+    q_BSHA = proj("w_q_DHA", self.b_q_HA, self.fp8_q)
+    k_BSGA = proj("w_k_DGA", self.b_k_GA, self.fp8_k)
+    v_BSGA = proj("w_v_DGA", self.b_v_GA, self.fp8_v)
     if self.q_norm is not None:
       q_BSHA, k_BSGA = self.q_norm(q_BSHA), self.k_norm(k_BSGA)
     q_BSHA = constrain(apply_rope(q_BSHA, positions_BS, cfg.rope_theta, cfg.yarn), Q_AXES)
@@ -93,7 +97,8 @@ class Attention(nnx.Module):
 
   def _out(self, out_BSHA):
     dt = self.dtype
-    out_BSD = project(constrain(out_BSHA, Q_AXES), gathered(self.w_o_HAD, dt), 2, self.fp8_o)
+    out_BSD = adapted(constrain(out_BSHA, Q_AXES), self.w_o_HAD, 2, self.fp8_o, dt, self.lora,
+                      "w_o_HAD")
     return out_BSD if self.b_o_D is None else out_BSD + self.b_o_D[...].astype(dt)
 
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from jmoe.config import ModelConfig, MoEConfig
+from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
 from jmoe.model.layers import RMSNorm
 from jmoe.model.mla import MLAttention
@@ -22,8 +22,8 @@ class Block(nnx.Module):
   """With `moe=None` the block's MLP is dense (d_ff wide); otherwise it is an MoE layer."""
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, param_dtype, dtype,
-               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None):
-    kw = dict(param_dtype=param_dtype, rngs=rngs, fp8=fp8)
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
+    kw = dict(param_dtype=param_dtype, rngs=rngs, fp8=fp8, lora=lora)
     norm_kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm_kw)
     self.attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype=dtype, **kw)

@@ -21,6 +21,7 @@ def model_factory(config: Config, seed: int | None = None) -> Callable[[], Trans
     return Transformer(config.model, config.moe, param_dtype=DTYPES[config.precision.params],
                        dtype=DTYPES[config.precision.compute], remat=config.train.remat,
                        fp8=recipe_from_config(config.precision),
+                       lora=config.lora if config.lora.rank else None,
                        rngs=nnx.Rngs(params=seed))
 
   return build

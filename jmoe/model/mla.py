@@ -15,15 +15,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmoe.config import ModelConfig
+from jmoe.config import LoRAConfig, ModelConfig
 from jmoe.model.attention import KV_AXES, Q_AXES
 from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
+from jmoe.model.lora import adapted, adapters
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, causal_document_mask
-from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
+from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.params import param
-from jmoe.parallel import constrain, gathered
+from jmoe.parallel import constrain
 
 # DeepSeek's latent norms use this epsilon whatever the model's own norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -32,7 +33,7 @@ LATENT_NORM_EPS = 1e-6
 class MLAttention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
     self.cfg, self.dtype = cfg, dtype
     self.fp8_q_a, self.fp8_q, self.fp8_kv_a, self.fp8_kv_b, self.fp8_o = (
         fp8_site(fp8) for _ in range(5))
@@ -50,6 +51,11 @@ class MLAttention(nnx.Module):
     self.w_kv_b_RHY = param(rngs, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
                             ("latent", "heads", None), **kw)
     self.w_o_HWD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
+    weight = lambda name: getattr(self, name, None)
+    self.lora = adapters(lora, "attention", rngs, w_q_a_DR=(weight("w_q_a_DR"), 1),
+                         w_q_b_RHA=(weight("w_q_b_RHA"), 1), w_q_DHA=(weight("w_q_DHA"), 1),
+                         w_kv_a_DI=(self.w_kv_a_DI, 1), w_kv_b_RHY=(self.w_kv_b_RHY, 1),
+                         w_o_HWD=(self.w_o_HWD, 2))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
@@ -78,13 +84,13 @@ class MLAttention(nnx.Module):
   def _project(self, x_BSD, positions_BS):
     """The queries (rotary part roped), each token's normalised latent and its roped rotary key."""
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
-    w = lambda p: gathered(p, dt)
+    proj = lambda x, name, site: adapted(x, getattr(self, name), 1, site, dt, self.lora, name)
     if m.q_lora_rank:
-      q_BSR = self.q_a_norm(project(x_BSD, w(self.w_q_a_DR), 1, self.fp8_q_a))
-      q_BSHA = project(q_BSR, w(self.w_q_b_RHA), 1, self.fp8_q)
+      q_BSR = self.q_a_norm(proj(x_BSD, "w_q_a_DR", self.fp8_q_a))
+      q_BSHA = proj(q_BSR, "w_q_b_RHA", self.fp8_q)
     else:
-      q_BSHA = project(x_BSD, w(self.w_q_DHA), 1, self.fp8_q)
-    kv_BSI = project(x_BSD, w(self.w_kv_a_DI), 1, self.fp8_kv_a)
+      q_BSHA = proj(x_BSD, "w_q_DHA", self.fp8_q)
+    kv_BSI = proj(x_BSD, "w_kv_a_DI", self.fp8_kv_a)
     kv_BSR, k_rope_BSp = kv_BSI[..., :m.kv_lora_rank], kv_BSI[..., m.kv_lora_rank:]
     rope = lambda t: apply_rope(t, positions_BS, cfg.rope_theta, cfg.yarn)
     q_BSHA = jnp.concatenate([q_BSHA[..., :m.qk_nope_head_dim],
@@ -95,7 +101,7 @@ class MLAttention(nnx.Module):
     """Attention of the queries over the keys and values expanded from the latents (`mask`:
     which keys each query sees; None: causal)."""
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
-    kv_BTHY = project(latent_BTR, gathered(self.w_kv_b_RHY, dt), 1, self.fp8_kv_b)
+    kv_BTHY = adapted(latent_BTR, self.w_kv_b_RHY, 1, self.fp8_kv_b, dt, self.lora, "w_kv_b_RHY")
     k_nope_BTHn, v_BTHW = kv_BTHY[..., :m.qk_nope_head_dim], kv_BTHY[..., m.qk_nope_head_dim:]
     k_rope_BTHp = jnp.broadcast_to(k_rope_BTp[:, :, None, :],
                                    (*k_nope_BTHn.shape[:3], m.qk_rope_head_dim))
@@ -108,4 +114,4 @@ class MLAttention(nnx.Module):
     out_BSHA = attention(q_BSHA, k_BTHA, v_BTHA, mask=mask, is_causal=mask is None,
                          scale=softmax_scale(head_dim, cfg.yarn), kernel=cfg.attention_kernel)
     out_BSHW = checkpoint_name(constrain(out_BSHA, Q_AXES)[..., :m.v_head_dim], "attention_out")
-    return project(out_BSHW, gathered(self.w_o_HWD, dt), 2, self.fp8_o)
+    return adapted(out_BSHW, self.w_o_HWD, 2, self.fp8_o, dt, self.lora, "w_o_HWD")

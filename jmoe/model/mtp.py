@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.config import ModelConfig, MoEConfig
+from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import RMSNorm
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site, project
@@ -19,14 +19,15 @@ from jmoe.parallel import constrain, gathered
 class MTPModule(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
     d = cfg.d_model
     norm = lambda: RMSNorm(d, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
     self.embed_norm, self.hidden_norm, self.out_norm = norm(), norm(), norm()
     self.w_proj_2DD = param(rngs, (2 * d, d), (None, "embed"), std=cfg.init_std, dtype=param_dtype)
     self.fp8_proj = fp8_site(fp8)
-    self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8)
+    self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8,
+                       lora=lora)
 
   def __call__(self, h_BSD, emb_BSD, positions_BS, segment_ids_BS, rng, layer):
     """Returns (the new hidden state for the next module, the normed state for the head, stats)."""

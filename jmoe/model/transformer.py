@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.config import ModelConfig, MoEConfig
+from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
 from jmoe.model.block import RESIDUAL_AXES, Block
 from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
@@ -24,12 +24,13 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype=jnp.float32,
                dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
     """`fp8`: run the GEMMs of attention, MLPs and experts in FP8 with this recipe (the
-    embedding, router and LM head stay in the compute dtype or float32)."""
+    embedding, router and LM head stay in the compute dtype or float32). `lora`: low-rank
+    adapters on the weights it targets (jmoe/model/lora.py)."""
     self.cfg = cfg
     self.remat = remat
-    kw = dict(param_dtype=param_dtype, dtype=dtype, fp8=fp8)
+    kw = dict(param_dtype=param_dtype, dtype=dtype, fp8=fp8, lora=lora)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, param_dtype=param_dtype,
                        dtype=dtype, rngs=rngs)
     self.dense_blocks = (

@@ -26,13 +26,30 @@ from jmoe.parallel import ExpertAxes
 
 
 @struct.dataclass
+class ExpertLoRA:
+  """Each expert's low-rank adapter factors (R: the rank) for its two projections; the
+  projections become x.W + scale (x.A).B, through the same grouped GEMMs."""
+  a_in_EDR: jax.Array
+  b_in_ER2F: jax.Array
+  a_out_EFR: jax.Array
+  b_out_ERD: jax.Array
+  scale: float = struct.field(pytree_node=False, default=1.0)
+
+  def specs(self, expert, tensor) -> ExpertLoRA:
+    return ExpertLoRA(a_in_EDR=P(expert, None, None), b_in_ER2F=P(expert, None, None, tensor),
+                      a_out_EFR=P(expert, tensor, None), b_out_ERD=P(expert, None, None),
+                      scale=self.scale)
+
+
+@struct.dataclass
 class ExpertWeights:
   """Every (local) expert's FFN weights, in the compute dtype; biases only where the experts have
-  them (GPT-OSS)."""
+  them (GPT-OSS), adapters only with LoRA on the experts."""
   w_in_ED2F: jax.Array  # gate and up projections
   w_out_EFD: jax.Array
   b_in_E2F: jax.Array | None = None
   b_out_ED: jax.Array | None = None
+  lora: ExpertLoRA | None = None
 
   @property
   def num_experts(self) -> int:
@@ -44,7 +61,8 @@ class ExpertWeights:
     bias = lambda b, spec: None if b is None else spec
     return ExpertWeights(w_in_ED2F=P(expert, None, None, tensor), w_out_EFD=P(expert, tensor, None),
                          b_in_E2F=bias(self.b_in_E2F, P(expert, None, tensor)),
-                         b_out_ED=bias(self.b_out_ED, P(expert, None)))
+                         b_out_ED=bias(self.b_out_ED, P(expert, None)),
+                         lora=None if self.lora is None else self.lora.specs(expert, tensor))
 
 
 def gated_activation(cfg) -> GatedActivation:
@@ -55,18 +73,21 @@ def gated_activation(cfg) -> GatedActivation:
 @dataclasses.dataclass(frozen=True)
 class ExpertCompute:
   """How the experts multiply: the grouped GEMM, the batched GEMM for per-expert blocks (when
-  `block_factor` > 0: each block holds up to that multiple of the mean rows per expert), and the
-  gated activation."""
+  `block_factor` > 0: each block holds up to that multiple of the mean rows per expert), the
+  gated activation, and the GEMMs of LoRA adapters (never FP8: their factors are thin)."""
   grouped: GroupedGemm
   batched: BatchedGemm
   activation: GatedActivation
   block_factor: float = 0.0
+  adapter_grouped: GroupedGemm | None = None
+  adapter_batched: BatchedGemm | None = None
 
   @classmethod
   def from_config(cls, cfg, fp8_grad_format: str | None = None) -> ExpertCompute:
     """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given."""
     return cls(grouped_gemm(cfg.gemm, fp8_grad_format), batched_gemm(fp8_grad_format),
-               gated_activation(cfg), cfg.expert_blocks)
+               gated_activation(cfg), cfg.expert_blocks, grouped_gemm(cfg.gemm, None),
+               batched_gemm(None))
 
   def __call__(self, rows: Rows, weights: ExpertWeights, axes: ExpertAxes) -> jax.Array:
     """y_XD for the rows of this device's experts (`axes`: where they run)."""
@@ -74,10 +95,12 @@ class ExpertCompute:
       first = (jax.lax.axis_index(axes.tensor) == 0).astype(weights.b_out_ED.dtype)
       weights = weights.replace(b_out_ED=weights.b_out_ED * first)
     if not self.block_factor:
-      return expert_ffn(rows.x_XD, rows.group_sizes_E, weights, self.grouped, self.activation)
+      return expert_ffn(rows.x_XD, rows.group_sizes_E, weights, self.grouped, self.activation,
+                        self.adapter_grouped)
     capacity = block_capacity(rows.mean_rows_per_expert, self.block_factor)
     return blocked_expert_ffn(rows.x_XD, rows.group_sizes_E, weights, capacity, self.batched,
-                              self.grouped, self.activation, axes.tokens)
+                              self.grouped, self.activation, axes.tokens, self.adapter_batched,
+                              self.adapter_grouped)
 
 
 def _row_bias(b_EF: jax.Array, group_sizes_E: jax.Array, num_rows: int) -> jax.Array:
@@ -86,17 +109,26 @@ def _row_bias(b_EF: jax.Array, group_sizes_E: jax.Array, num_rows: int) -> jax.A
 
 
 def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights,
-               gemm: GroupedGemm, activation: GatedActivation) -> jax.Array:
+               gemm: GroupedGemm, activation: GatedActivation,
+               adapter_gemm: GroupedGemm | None = None) -> jax.Array:
   """Each expert's gated FFN on its rows: gate and up in one grouped GEMM, then the down
-  projection."""
+  projection; with adapters, each projection plus its low-rank pair (`adapter_gemm`, default
+  `gemm`)."""
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
   num_rows = x_XD.shape[0]
+  lora, low = weights.lora, adapter_gemm or gemm
   h_X2F = gemm(x_XD, weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff), group_sizes_E)
+  if lora is not None:
+    up_ER2F = lora.b_in_ER2F.reshape(num_experts, -1, 2 * d_ff) * lora.scale
+    h_X2F = h_X2F + low(low(x_XD, lora.a_in_EDR, group_sizes_E), up_ER2F, group_sizes_E)
   h_X2F = h_X2F.reshape(num_rows, 2, d_ff)
   if weights.b_in_E2F is not None:
     h_X2F = h_X2F + _row_bias(weights.b_in_E2F, group_sizes_E, num_rows)
   hidden_XF = checkpoint_name(activation(h_X2F[:, 0], h_X2F[:, 1]), "expert_hidden")
   y_XD = gemm(hidden_XF, weights.w_out_EFD, group_sizes_E)
+  if lora is not None:
+    y_XD = y_XD + low(low(hidden_XF, lora.a_out_EFR, group_sizes_E),
+                      lora.b_out_ERD * lora.scale, group_sizes_E)
   if weights.b_out_ED is not None:
     y_XD = y_XD + _row_bias(weights.b_out_ED, group_sizes_E, num_rows)
   return y_XD
@@ -112,7 +144,9 @@ def block_capacity(mean_rows_per_expert: float, factor: float) -> int:
 
 def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights,
                        capacity: int, batched: BatchedGemm, grouped: GroupedGemm,
-                       activation: GatedActivation, devices: tuple[str, ...] = ()) -> jax.Array:
+                       activation: GatedActivation, devices: tuple[str, ...] = (),
+                       adapter_batched: BatchedGemm | None = None,
+                       adapter_grouped: GroupedGemm | None = None) -> jax.Array:
   """`expert_ffn` with each expert's first `capacity` rows in a block of its own, so the GEMMs are
   one batched GEMM over experts (XLA's cuBLAS call, which also runs FP8); the rows an expert has
   past its block (none when routing is balanced within the capacity) go through `expert_ffn` with
@@ -130,7 +164,7 @@ def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: Exper
   in_block_X = (expert_X < num_experts) & (rank_X < capacity)
   slot_X = jnp.where(in_block_X, expert_X * capacity + rank_X, num_experts * capacity)
   x_ECD = move_rows(x_XD, source_EC.reshape(-1), slot_X).reshape(num_experts, capacity, -1)
-  y_ECD = _block_ffn(x_ECD, weights, batched, activation)
+  y_ECD = _block_ffn(x_ECD, weights, batched, activation, adapter_batched)
   y_XD = move_rows(y_ECD.reshape(num_experts * capacity, -1), slot_X, source_EC.reshape(-1))
 
   # The overflow: its row j holds row starts[e] + capacity + (j - over_starts[e]) of its expert e.
@@ -147,7 +181,8 @@ def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: Exper
 
   def overflow(x_XD, weights, rows):
     source_J, target_X, over_E = rows
-    y_JD = expert_ffn(move_rows(x_XD, source_J, target_X), over_E, weights, grouped, activation)
+    y_JD = expert_ffn(move_rows(x_XD, source_J, target_X), over_E, weights, grouped, activation,
+                      adapter_grouped)
     return move_rows(y_JD, target_X, source_J).astype(x_XD.dtype)
 
   # The grouped GEMM's cost follows its buffer's length, not the rows in it, so it is skipped
@@ -160,14 +195,21 @@ def blocked_expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: Exper
   return y_XD + y_over_XD.astype(y_XD.dtype)
 
 
-def _block_ffn(x_ECD, weights: ExpertWeights, batched: BatchedGemm, activation: GatedActivation):
+def _block_ffn(x_ECD, weights: ExpertWeights, batched: BatchedGemm, activation: GatedActivation,
+               adapter_batched: BatchedGemm | None = None):
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
+  lora, low = weights.lora, adapter_batched or batched
   h_EC2F = batched(x_ECD, weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff))
+  if lora is not None:
+    up_ER2F = lora.b_in_ER2F.reshape(num_experts, -1, 2 * d_ff) * lora.scale
+    h_EC2F = h_EC2F + low(low(x_ECD, lora.a_in_EDR), up_ER2F)
   h_EC2F = h_EC2F.reshape(*h_EC2F.shape[:2], 2, d_ff)
   if weights.b_in_E2F is not None:
     h_EC2F = h_EC2F + weights.b_in_E2F[:, None]
   hidden_ECF = checkpoint_name(activation(h_EC2F[..., 0, :], h_EC2F[..., 1, :]), "expert_hidden")
   y_ECD = batched(hidden_ECF, weights.w_out_EFD)
+  if lora is not None:
+    y_ECD = y_ECD + low(low(hidden_ECF, lora.a_out_EFR), lora.b_out_ERD * lora.scale)
   if weights.b_out_ED is not None:
     y_ECD = y_ECD + weights.b_out_ED[:, None]
   return y_ECD

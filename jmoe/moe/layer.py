@@ -9,16 +9,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jmoe.config import MoEConfig
+from jmoe.config import LoRAConfig, MoEConfig
 from jmoe.errors import choice
 from jmoe.moe.allgather import AllGatherDispatcher
 from jmoe.moe.alltoall import AllToAllDispatcher
 from jmoe.moe.dispatch import Dispatcher, LocalDispatcher, Stages, on_expert_shards
-from jmoe.moe.experts import ExpertCompute, ExpertWeights
+from jmoe.moe.experts import ExpertCompute, ExpertLoRA, ExpertWeights
 from jmoe.moe.route import RouterStats, route
 from jmoe.ops.exchange import varying_like
 from jmoe.ops.fp8 import Fp8Recipe
-from jmoe.ops.params import param
+from jmoe.ops.params import lora_factors, param
 from jmoe.parallel import ExpertAxes, active_layout, gathered
 
 # How tokens reach experts on other devices: the names `moe.dispatcher` may take.
@@ -69,7 +69,7 @@ class MoE(nnx.Module):
   summed into the layer's), after the layer's own parameters."""
 
   def __init__(self, d_model: int, cfg: MoEConfig, std: float, *, param_dtype, dtype,
-               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None,
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None,
                make_shared: Callable[[], nnx.Module] | None = None):
     choice("moe.dispatcher", cfg.dispatcher, DISPATCHERS)  # config validation cannot see it
     self.cfg = cfg
@@ -89,6 +89,13 @@ class MoE(nnx.Module):
                                 if cfg.expert_bias else None)
     self.b_in_E2F = bias((e, 2, f), ("expert", None, "expert_mlp"))
     self.b_out_ED = bias((e, d_model), ("expert", None))
+    # LoRA on the experts: a factor pair per expert and projection, keyed by its weight's name.
+    on = lora is not None and lora.applies_to("experts")
+    factors = lambda w: nnx.Dict(zip("ab", lora_factors(
+        rngs, w.shape, w.get_metadata()["axes"], 1, lora.rank, w.dtype, lead=1)))
+    self.lora = (nnx.Dict({name: factors(getattr(self, name)) for name in ("w_in_ED2F", "w_out_EFD")})
+                 if on else None)
+    self.lora_scale = lora.scale if on else 0.0
     self.shared = make_shared() if make_shared is not None else None
 
   def __call__(self, x_BSD: jax.Array, rng: jax.Array | None = None
@@ -130,8 +137,13 @@ class MoE(nnx.Module):
 
   def _expert_weights(self) -> ExpertWeights:
     cast = lambda p: None if p is None else p[...].astype(self.dtype)
+    lora = None
+    if self.lora is not None:
+      up, down = self.lora["w_in_ED2F"], self.lora["w_out_EFD"]
+      lora = ExpertLoRA(a_in_EDR=cast(up["a"]), b_in_ER2F=cast(up["b"]), a_out_EFR=cast(down["a"]),
+                        b_out_ERD=cast(down["b"]), scale=self.lora_scale)
     return ExpertWeights(w_in_ED2F=cast(self.w_in_ED2F), w_out_EFD=cast(self.w_out_EFD),
-                         b_in_E2F=cast(self.b_in_E2F), b_out_ED=cast(self.b_out_ED))
+                         b_in_E2F=cast(self.b_in_E2F), b_out_ED=cast(self.b_out_ED), lora=lora)
 
   def _router_logits(self, x_TD: jax.Array, rng: jax.Array | None) -> jax.Array:
     """Router logits in float32, with multiplicative input jitter when training asks for it."""

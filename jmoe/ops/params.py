@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 # The dtypes `precision.params` and `precision.compute` may name.
@@ -43,3 +44,25 @@ def kind_of(variable: nnx.Variable) -> str:
 def is_expert_weight(variable: nnx.Variable) -> bool:
   """Whether a parameter holds one slice per expert (its logical axes name `expert`)."""
   return "expert" in (variable.get_metadata().get("axes") or ())
+
+
+class LoRAParam(nnx.Param):
+  """A low-rank adapter factor (jmoe/model/lora.py). A parameter like any other, except that with
+  `lora.rank > 0` these are the only ones that train."""
+
+
+def lora_factors(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], n_in: int,
+                 rank: int, dtype, lead: int = 0) -> tuple[LoRAParam, LoRAParam]:
+  """(A, B) for a weight of `shape` and `axes` whose first `lead` axes (experts) index separate
+  weights, the next `n_in` are contracted with the input and the rest are the output: A is
+  lead + in + [rank], drawn with std 1/sqrt(fan-in); B is lead + [rank] + out, zeros, so that
+  adapters start as no change."""
+  lead_shape, in_shape = shape[:lead], shape[lead:lead + n_in]
+  out_shape = shape[lead + n_in:]
+  fan_in = int(np.prod(in_shape))
+  a = jax.random.truncated_normal(rngs.params(), -2.0, 2.0, lead_shape + in_shape + (rank,),
+                                  jnp.float32) / np.sqrt(fan_in)
+  a_axes = axes[:lead + n_in] + (None,)
+  b_axes = axes[:lead] + (None,) + axes[lead + n_in:]
+  return (LoRAParam(a.astype(dtype), axes=a_axes, kind="gemm"),
+          LoRAParam(jnp.zeros(lead_shape + (rank,) + out_shape, dtype), axes=b_axes, kind="gemm"))

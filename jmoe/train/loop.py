@@ -15,7 +15,8 @@ from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.hf_families import check_family
-from jmoe.checkpoint.params import read_variables
+from jmoe.checkpoint.hf_files import copy_tokenizer_files
+from jmoe.checkpoint.params import read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
@@ -28,7 +29,7 @@ from jmoe.train.health import StepHealth, all_finite
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
-from jmoe.train.state import StateSpec, TrainState, state_spec
+from jmoe.train.state import StateSpec, TrainState, frozen, state_spec
 from jmoe.train.step import compile_train_step, make_eval_step
 from jmoe.train.workdir import WorkdirLock, write_atomic
 
@@ -91,7 +92,7 @@ class Trainer:
 
   def __init__(self, config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
                devices: Sequence[jax.Device] | None = None):
-    self.config = config
+    self.config = config = with_saved_architecture(config)
     self.workdir = workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     # The registries config validation cannot see, checked before anything is built.
@@ -127,6 +128,8 @@ class Trainer:
       if self._lead:  # only once the workdir's checkpoint has been found to fit this config
         write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
         drop_metrics_after(workdir / "metrics.jsonl", self.step)
+        if self.data.tokenizer.path is not None:  # for generation and export from the workdir
+          copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
       if data_state is not None:
         self.data.restore(data_state)
       elif self.step:
@@ -220,7 +223,7 @@ class Trainer:
         raise Diverged(f"the parameters at step {self.step} are not finite, so they are not "
                        f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
                        f"{self.config.train.lr:g}) or train.grad_clip")
-      self.checkpointer.save(self.step, self.state, self.data.state())
+      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state())
       self._saved = self.step
     return self.checkpointer.directory / str(self.step)
 
@@ -262,28 +265,51 @@ def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
   return sum(float(loss) * float(count) for loss, count in results) / max(total, 1.0)
 
 
+def saved_part(config: Config, state: TrainState) -> TrainState:
+  """What a checkpoint of the run holds: the whole state, but for LoRA's frozen model (which is
+  read from checkpoint.load_params again on resume)."""
+  return state.replace(rest=nnx.split_state(state.rest, frozen(config), ...)[1])
+
+
 def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
                   ) -> tuple[int, TrainState, dict | None]:
   """(step, train state, input position or None): the workdir's latest readable checkpoint;
-  else fresh optimizer state on `checkpoint.load_params`' model, or on a new random model."""
-  latest = checkpointer.restore_latest(spec.abstract, spec.shardings)
+  else fresh optimizer state on `checkpoint.load_params`' model, or on a new random model.
+  With LoRA, the frozen model comes from load_params in both cases, new adapters start at zero."""
+  latest = checkpointer.restore_latest(saved_part(config, spec.abstract),
+                                       saved_part(config, spec.shardings))
   if latest is not None:
     step, state, data = latest
     log.info("resuming from %s at step %d", checkpointer.directory / str(step), step)
+    if config.lora.rank:
+      state = state.replace(rest=nnx.merge_state(_frozen_model(config, spec), state.rest))
     return step, state, data if data.get("streams") else None
   if config.checkpoint.load_params:
     # FP8 amax histories are run state, not model: they start empty, whatever the source had.
     histories, rest = nnx.split_state(spec.abstract.rest, Fp8History, ...)
     history_shardings, rest_shardings = nnx.split_state(spec.shardings.rest, Fp8History, ...)
+    histories = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), histories,
+                             history_shardings)
+    if config.lora.rank:  # the model's variables all in `rest`; the adapters new
+      base = _frozen_model(config, spec, whole=True)
+      return 0, spec.init_from(spec.init_adapters(), nnx.merge_state(base, histories)), None
     abstract = nnx.merge_state(spec.abstract.params, rest)
     shardings = nnx.merge_state(spec.shardings.params, rest_shardings)
     variables = read_variables(config.checkpoint.load_params, abstract, shardings)
     log.info("starting from the model in %s", config.checkpoint.load_params)
     params, rest = nnx.split_state(variables, nnx.Param, ...)
-    histories = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), histories,
-                             history_shardings)
     return 0, spec.init_from(params, nnx.merge_state(rest, histories)), None
   return 0, spec.init(), None
+
+
+def _frozen_model(config: Config, spec: StateSpec, whole: bool = False) -> nnx.State:
+  """LoRA's frozen model, read from checkpoint.load_params: its parameters (`whole`: every model
+  variable of `rest` but the FP8 histories, as a fresh run starts from)."""
+  part = lambda tree: nnx.split_state(tree, nnx.Not(Fp8History), ...)[0]
+  log.info("the frozen model under the adapters: %s", config.checkpoint.load_params)
+  variables = read_variables(config.checkpoint.load_params, part(spec.abstract.rest),
+                             part(spec.shardings.rest))
+  return variables if whole else nnx.split_state(variables, frozen(config), ...)[0]
 
 
 def drop_metrics_after(path: pathlib.Path, step: int) -> None:

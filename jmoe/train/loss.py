@@ -21,19 +21,23 @@ def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
   return jnp.sum(nll_BS if mask_BS is None else jnp.where(mask_BS, nll_BS, 0.0))
 
 
-def target_masks(tokens_BN: jax.Array, segment_ids_BN: jax.Array | None, depth: int
-                 ) -> tuple[jax.Array, jax.Array]:
+def target_masks(tokens_BN: jax.Array, segment_ids_BN: jax.Array | None, depth: int,
+                 loss_mask_BN: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """Which predictions count: ([B, S] for the next token, [B, depth, S] for MTP module k's token
-  k + 2 ahead). A target counts when it lies in the window, is not padding (segment 0), and
-  belongs to the same packed document as the input token."""
+  k + 2 ahead). A target counts when it lies in the window, is not padding (segment 0), belongs
+  to the same packed document as the input token, and (with `loss_mask_BN`, chat data) is
+  marked there (the assistant's tokens)."""
   batch, seq = tokens_BN.shape[0], tokens_BN.shape[1] - 1
   if segment_ids_BN is None:
     segment_ids_BN = jnp.ones_like(tokens_BN)
   inputs_BS = segment_ids_BN[:, :-1]
 
-  def same_document(ahead):  # target `ahead` places after each input
-    target_BS = jnp.pad(segment_ids_BN[:, ahead:], ((0, 0), (0, ahead - 1)))[:, :seq]
-    return (inputs_BS > 0) & (target_BS == inputs_BS)
+  def ahead_of(x_BN, ahead):  # x at the target `ahead` places after each input (0 past the end)
+    return jnp.pad(x_BN[:, ahead:], ((0, 0), (0, ahead - 1)))[:, :seq]
+
+  def same_document(ahead):
+    counts_BS = (inputs_BS > 0) & (ahead_of(segment_ids_BN, ahead) == inputs_BS)
+    return counts_BS if loss_mask_BN is None else counts_BS & (ahead_of(loss_mask_BN, ahead) > 0)
 
   mtp_BLS = (jnp.stack([same_document(k + 2) for k in range(depth)], axis=1) if depth
              else jnp.zeros((batch, 0, seq), bool))

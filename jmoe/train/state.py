@@ -11,6 +11,7 @@ from flax import nnx, struct
 
 from jmoe.config import Config
 from jmoe.model.factory import model_factory
+from jmoe.ops.params import LoRAParam
 from jmoe.parallel import Layout
 from jmoe.train.optimizer import AdamW
 
@@ -18,9 +19,22 @@ from jmoe.train.optimizer import AdamW
 @struct.dataclass
 class TrainState:
   step: jax.Array
-  params: nnx.State  # trainable (nnx.Param) variables
-  rest: nnx.State  # every other model variable: selection biases, FP8 amax histories
+  params: nnx.State  # trainable variables: every nnx.Param, or with LoRA the adapters only
+  # every other model variable: selection biases, FP8 amax histories, and with LoRA the frozen
+  # model itself (`frozen`)
+  rest: nnx.State
   opt_state: Any
+
+
+def trainable(config: Config):
+  """The filter of the variables that train: with lora.rank > 0 the adapters, else every
+  parameter."""
+  return LoRAParam if config.lora.rank else nnx.Param
+
+
+def frozen(config: Config):
+  """The filter of the frozen parameters in `rest` (with LoRA: the model under the adapters)."""
+  return nnx.All(nnx.Param, nnx.Not(LoRAParam)) if config.lora.rank else nnx.Nothing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,13 +46,14 @@ class StateSpec:
   init: Callable[[], TrainState]  # jitted; builds the state directly in its sharded placement
   # jitted: a state at step 0 with fresh optimizer state around given model variables
   init_from: Callable[[nnx.State, nnx.State], TrainState]
+  init_adapters: Callable[[], nnx.State]  # jitted: new LoRA adapters (empty without LoRA)
 
 
 def state_spec(config: Config, layout: Layout, optimizer: AdamW) -> StateSpec:
   build = model_factory(config)
 
   def init() -> TrainState:
-    _, params, rest = nnx.split(build(), nnx.Param, ...)
+    _, params, rest = nnx.split(build(), trainable(config), ...)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                       opt_state=optimizer.init(params))
 
@@ -46,8 +61,12 @@ def state_spec(config: Config, layout: Layout, optimizer: AdamW) -> StateSpec:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
                       opt_state=optimizer.init(params))
 
+  def init_adapters() -> nnx.State:  # (XLA drops the rest of the model it builds)
+    return nnx.state(build(), LoRAParam)
+
   abstract = jax.eval_shape(init)
   shardings = layout.shardings(abstract)
   return StateSpec(graphdef=nnx.graphdef(nnx.eval_shape(build)), abstract=abstract,
                    shardings=shardings, init=jax.jit(init, out_shardings=shardings),
-                   init_from=jax.jit(init_from, out_shardings=shardings))
+                   init_from=jax.jit(init_from, out_shardings=shardings),
+                   init_adapters=jax.jit(init_adapters, out_shardings=shardings.params))

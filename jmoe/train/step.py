@@ -17,13 +17,14 @@ from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, active_layout, constrain
 from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
 from jmoe.train.optimizer import AdamW, learning_rate
-from jmoe.train.state import StateSpec, TrainState
+from jmoe.train.state import StateSpec, TrainState, frozen
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
   """loss(params, rest, batch, counts, num_micro, rng) -> (loss, metrics) for one micro-batch.
 
-  `batch` holds `tokens` [B, S + 1] and, for packed rows, `segment_ids` and `positions` alike.
+  `batch` holds `tokens` [B, S + 1] and, for packed rows, `segment_ids` and `positions` alike
+  (and `loss_mask`, for chat data: which targets count).
   The micro-batch's share of the global loss: its summed token losses over `counts` (the global
   batch's number of targets: `lm` and, with MTP, `mtp` per module), plus its balancing terms over
   the number of micro-batches. `rng` (or None) drives training-time noise.
@@ -51,7 +52,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     inputs = dict(tokens_BS=tokens_BN[:, :-1],
                   positions_BS=None if positions_BN is None else positions_BN[:, :-1],
                   segment_ids_BS=None if segments_BN is None else segments_BN[:, :-1])
-    lm_mask_BS, mtp_mask_BLS = target_masks(tokens_BN, segments_BN, depth)
+    lm_mask_BS, mtp_mask_BLS = target_masks(tokens_BN, segments_BN, depth,
+                                            batch.get("loss_mask"))
     metrics = {}
     if depth:
       h_BSD, mtp_BLSD, stats = model.with_mtp(
@@ -76,7 +78,8 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
 def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
   """The global batch's number of next-token targets and of each MTP module's targets."""
-  lm_BS, mtp_BLS = target_masks(batch["tokens"], batch.get("segment_ids"), depth)
+  lm_BS, mtp_BLS = target_masks(batch["tokens"], batch.get("segment_ids"), depth,
+                                batch.get("loss_mask"))
   # At least one, so that an all-padding batch gives a zero loss rather than NaN.
   return {"lm": jnp.maximum(jnp.sum(lm_BS), 1).astype(jnp.float32),
           "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
@@ -150,12 +153,15 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     with jax.named_scope("optimizer"):
       params, opt_state = optimizer.apply(grads, state.opt_state, state.params,
                                           metrics["grad_norm"], applied=finite)
+    base, others = nnx.split_state(others, frozen(config), ...)  # the frozen model passes by
     rest = nnx.merge_state(histories, others)
     if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
-      model = nnx.merge(graphdef, params, rest)
+      model = nnx.merge(graphdef, params, base, rest)
       model.update_expert_bias(metrics["expert_load"], bias_rate)
       rest = nnx.state(model, nnx.Not(nnx.Param))
-    rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest, state.rest)
+    old = nnx.split_state(state.rest, frozen(config), ...)[1]
+    rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest, old)
+    rest = nnx.merge_state(base, rest)
     new_state = state.replace(step=state.step + 1, params=params, rest=rest, opt_state=opt_state)
     return new_state, metrics
 
