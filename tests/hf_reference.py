@@ -5,6 +5,9 @@ under jmoe's own Python.
       a random-weight model from transformers' own config class, saved with save_pretrained
   python hf_reference.py logprobs MODEL_DIR TOKENS_JSON OUT_JSON
       log p(tokens[i+1] | tokens[:i+1]) for each sequence, in float32
+  python hf_reference.py mxfp4 MODEL_DIR OUT_DIR SEED
+      GPT-OSS: OUT_DIR/quantized holds random MXFP4 expert weights (blocks and scales, as the
+      release stores them), OUT_DIR/dequantized the same through transformers' dequantization
   python hf_reference.py chat TOKENIZER_DIR CONVERSATIONS_JSON OUT_JSON
       each conversation through apply_chat_template: its text, and (for templates with
       {% generation %} blocks) its token ids and assistant mask
@@ -70,5 +73,38 @@ def chat(tokenizer_dir, conversations_json, out_json):
   json.dump(out, open(out_json, "w"))
 
 
+def mxfp4(model_dir, out_dir, seed):
+  import pathlib
+  from safetensors.torch import load_file, save_file
+  from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+  model_dir, out_dir = pathlib.Path(model_dir), pathlib.Path(out_dir)
+  tensors = load_file(model_dir / "model.safetensors")
+  config = json.loads((model_dir / "config.json").read_text())
+  generator = torch.Generator().manual_seed(int(seed))
+  quantized, dequantized = {}, {}
+  for name, tensor in tensors.items():
+    if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+      quantized[name] = dequantized[name] = tensor
+      continue
+    experts, inputs, outputs = tensor.shape
+    blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=generator,
+                           dtype=torch.uint8)
+    scales = torch.randint(122, 127, (experts, outputs, inputs // 32), generator=generator,
+                           dtype=torch.uint8)
+    quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+    dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+  for kind, weights in (("quantized", quantized), ("dequantized", dequantized)):
+    (out_dir / kind).mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, out_dir / kind / "model.safetensors",
+              metadata={"format": "pt"})
+    saved = dict(config)
+    if kind == "quantized":
+      saved["quantization_config"] = {"quant_method": "mxfp4",
+                                      "modules_to_not_convert": ["model.layers.*.self_attn",
+                                                                 "model.layers.*.mlp.router",
+                                                                 "model.embed_tokens", "lm_head"]}
+    (out_dir / kind / "config.json").write_text(json.dumps(saved))
+
+
 if __name__ == "__main__":
-  {"build": build, "logprobs": logprobs, "chat": chat}[sys.argv[1]](*sys.argv[2:])
+  {"build": build, "logprobs": logprobs, "chat": chat, "mxfp4": mxfp4}[sys.argv[1]](*sys.argv[2:])

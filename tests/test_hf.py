@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 from flax import nnx
 import pytest
@@ -261,3 +262,21 @@ def test_deepseek_prediction_modules_convert_both_ways(tmp_path):
   (tmp_path / "own" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
   with pytest.raises(ConfigError, match="differs from the model's own embedding"):
     import_hf(tmp_path / "own", tmp_path / "own_ckpt")
+
+
+def test_gpt_oss_mxfp4_experts_dequantize_on_import_as_transformers_does(tmp_path):
+  kwargs = dict(FAMILIES["gpt_oss_full_top1"][1], hidden_size=32, intermediate_size=32)
+  hf("build", "gpt_oss", tmp_path / "hf", 0, json.dumps(kwargs))
+  hf("mxfp4", tmp_path / "hf", tmp_path / "mx", 1)
+  assert "gate_up_proj_blocks" in " ".join(SafetensorsReader(tmp_path / "mx" / "quantized")
+                                          .weight_map)
+  quantized = import_hf(tmp_path / "mx" / "quantized", tmp_path / "q")
+  import_hf(tmp_path / "mx" / "dequantized", tmp_path / "d")
+  layout = make_layout(ParallelConfig())
+  pure = [jax.device_get(nnx.to_pure_dict(nnx.state(load_model(tmp_path / name, layout)[1])))
+          for name in ("q", "d")]
+  jax.tree.map(np.testing.assert_array_equal, *pure)  # exactly transformers' dequantization
+  assert quantized.model.family == "gpt_oss"
+  sequences = random_sequences(kwargs["vocab_size"])
+  reference = hf_logprobs(tmp_path / "mx" / "dequantized", sequences, tmp_path)
+  assert max_diff(jmoe_logprobs(tmp_path / "q", sequences), reference) < 1e-4

@@ -54,6 +54,8 @@ class SafetensorsReader:
                         f"{str(e)[:200]}); download it again") from None
 
   def __call__(self, name: str) -> np.ndarray:
+    if name not in self.weight_map and f"{name}_blocks" in self.weight_map:
+      return dequantize_mxfp4(self(f"{name}_blocks"), self(f"{name}_scales"), name)
     if name not in self.weight_map:
       raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
     self.used.add(name)
@@ -82,6 +84,27 @@ def copy_tokenizer_files(source: pathlib.Path, target: pathlib.Path, replace: bo
       shutil.copyfile(source / name, target / name)
       copied.append(name)
   return copied
+
+
+# The 16 values of a float4 e2m1 nibble (sign, 2 exponent bits, 1 mantissa bit).
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "") -> np.ndarray:
+  """A weight stored as MXFP4 (GPT-OSS's release): `blocks` [..., out, G, 16] bytes, each two
+  e2m1 values (the low nibble first), and `scales` [..., out, G] e8m0 exponents (bias 127), one
+  per 32 values along the input axis. Returns the float32 weight [..., in = 32 G, out], the
+  layout of the unquantized tensor; every value is exact."""
+  if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+    raise ConfigError(f"{name}: MXFP4 blocks {blocks.shape} {blocks.dtype} and scales "
+                      f"{scales.shape} {scales.dtype} do not fit together (uint8 [..., G, 16] "
+                      f"and uint8 [..., G])")
+  values = np.empty(blocks.shape[:-1] + (32,), np.float32)
+  values[..., 0::2] = FP4_E2M1[blocks & 0x0F]
+  values[..., 1::2] = FP4_E2M1[blocks >> 4]
+  values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+  return values.reshape(*blocks.shape[:-2], -1).swapaxes(-1, -2)
 
 
 def read_json(path: pathlib.Path) -> dict:
