@@ -6,8 +6,15 @@
       [--router-std S] [--config.group.key=value ...]
 
 CKPT is a jmoe model checkpoint (what import-hf and upcycle write); export-hf and upcycle also take
-a training workdir and use its latest checkpoint. Only local directories are read: nothing is
-downloaded. Train from a written CKPT with `--config.checkpoint.load_params=CKPT`.
+a training workdir and use its latest checkpoint (a LoRA run's: its adapters folded into the
+model). Only local directories are read: nothing is downloaded. Train from a written CKPT with
+`--config.checkpoint.load_params=CKPT`.
+
+export-hf spreads the model over every device it finds and brings one layer of one tensor at a
+time to the host, so no device holds the whole model; run as several processes (one per host,
+joined as training joins them: JMOE_COORDINATOR / JMOE_NUM_PROCESSES / JMOE_PROCESS_ID or a SLURM
+or MPI launcher, jmoe/distributed.py) it spreads the model over all their devices, and the first
+process writes the files.
 """
 
 from __future__ import annotations
@@ -63,10 +70,14 @@ def main(argv: list[str] | None = None) -> int:
       print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
             f"{config.moe.num_experts} experts)")
     else:
+      from jmoe.distributed import initialize
+      initialize()
       interleave = None if args.rope_interleave is None else args.rope_interleave == "true"
       out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype, interleave,
                       args.overwrite)
-      print(f"wrote {out}")
+      import jax
+      if jax.process_index() == 0:
+        print(f"wrote {out}")
     return 0
 
   return run(command)

@@ -17,16 +17,18 @@ from typing import Callable, Iterator
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
                                       read_json, refuse_to_overwrite, written_in_place)
-from jmoe.checkpoint.params import load_model, save_model
-from jmoe.config import (Config, ConfigError, ParallelConfig, PrecisionConfig, from_config_dict,
+from jmoe.checkpoint.params import read_config, read_variables, save_model
+from jmoe.config import (Config, ConfigError, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.model.factory import model_factory
+from jmoe.ops.lora import fold
 from jmoe.ops.params import DTYPES
-from jmoe.parallel import make_layout
 
 log = logging.getLogger("jmoe")
 
@@ -201,6 +203,8 @@ def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
   prefixes = mtp_prefixes(config, family)
   for path, variable in nnx.to_flat_state(params):
     path = tuple(str(p) for p in path)
+    if "lora" in path:  # adapters: folded into their weights by the exporter
+      continue
     if path[0] == "mtp":
       if not prefixes:  # transformers' other models have no multi-token prediction modules
         continue
@@ -292,40 +296,80 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
   DeepSeek's own checkpoints are.
   """
   out = pathlib.Path(out).absolute()
-  refuse_to_overwrite(out, overwrite)
+  refuse_to_overwrite(out, overwrite)  # (every process sees the same answer)
+  if jax.process_index() != 0:  # the others hold their part of the model and gather with it
+    _export(checkpoint, None, shard_bytes, dtype, rope_interleave)
+    return out
   with written_in_place(out) as tmp:
     _export(checkpoint, tmp, shard_bytes, dtype, rope_interleave)
   return out
 
 
-def _export(checkpoint, out: pathlib.Path, shard_bytes: int, dtype: str | None,
+def _spread(abstract: jax.ShapeDtypeStruct, mesh: Mesh) -> NamedSharding:
+  """A variable split over every device along its largest axis that they divide (else whole on
+  each): no device, and no host, holds the whole model."""
+  axes = [i for i, n in enumerate(abstract.shape) if n % mesh.size == 0]
+  if not axes or mesh.size == 1:
+    return NamedSharding(mesh, P())
+  axis = max(axes, key=lambda i: abstract.shape[i])
+  return NamedSharding(mesh, P(*[None] * axis, "devices"))
+
+
+def _host(x: jax.Array) -> np.ndarray:
+  """A (slice of a) spread variable, whole, on this host (a collective with several processes)."""
+  if jax.process_count() == 1:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _export(checkpoint, out: pathlib.Path | None, shard_bytes: int, dtype: str | None,
             rope_interleave: bool | None) -> None:
-  layout = make_layout(ParallelConfig(), jax.devices()[:1])
-  config, model = load_model(checkpoint, layout, merge_adapters=True)
+  """Writes the Hugging Face files into `out` (None: a process other than the first, which only
+  takes part in reading and gathering). The model is spread over every device of every process;
+  one layer of one variable at a time comes to the host, with a LoRA run's adapters folded in."""
+  config = read_config(checkpoint)
   family = check_exportable(config.model, config.moe)
   if config.model.mtp_depth and not family.mtp_layers:
     log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
                 "%s has none", config.model.mtp_depth, family.architecture)
-  params = nnx.state(model)
+  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
+  mesh = Mesh(np.array(jax.devices()), ("devices",))
+  params = read_variables(checkpoint, abstract, jax.tree.map(lambda a: _spread(a, mesh), abstract))
   np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
-  writer = ShardedWriter(out, shard_bytes)
+  writer = ShardedWriter(out, shard_bytes) if out is not None else None
+  add = (lambda name, tensor: writer.add(name, tensor)) if writer else (lambda *_: None)
   hf = family.to_hf(config.model, config.moe)
   if "rope_interleave" in hf and rope_interleave is not None:
     hf["rope_interleave"] = rope_interleave
   interleaved = bool(hf.get("rope_interleave", False))
+  take = lambda variable, layer: _host(variable[...] if layer is None else variable[...][layer])
   for path, variable, layer, prefix, (_, to_hf) in _walk(config, family, params, interleaved):
-    value = np.asarray(jax.device_get(variable[...] if layer is None else variable[...][layer]))
+    value = take(variable, layer)
+    adapter = _adapter_of(params, path)
+    if adapter is not None:
+      value = fold(value, take(adapter["a"], layer), take(adapter["b"], layer), config.lora.scale)
     # Parameters in the asked dtype; other state (DeepSeek's selection bias) stays float32.
     out_dtype = np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
     for name, tensor in to_hf(value).items():
-      writer.add(prefix + name, tensor.astype(out_dtype))
+      add(prefix + name, tensor.astype(out_dtype))
   for prefix in mtp_prefixes(config, family):  # the copies of the shared embedding and head
-    table = np.asarray(jax.device_get(params["embed"]["table"][...]))
-    head = table if params.get("head_DV") is None else np.asarray(
-        jax.device_get(params["head_DV"][...])).T
-    writer.add(prefix + "embed_tokens.weight", table.astype(np_dtype))
-    writer.add(prefix + "shared_head.head.weight", head.astype(np_dtype))
+    table = take(params["embed"]["table"], None)
+    head = table if params.get("head_DV") is None else take(params["head_DV"], None).T
+    add(prefix + "embed_tokens.weight", table.astype(np_dtype))
+    add(prefix + "shared_head.head.weight", head.astype(np_dtype))
+  if writer is None:
+    return
   writer.close()
   hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
   (out / "config.json").write_text(json.dumps(hf, indent=2))
   copy_tokenizer_files(pathlib.Path(checkpoint), out)
+
+
+def _adapter_of(params: nnx.State, path: tuple[str, ...]):
+  """The LoRA factors of the weight at `path`, or None."""
+  node = params
+  for key in path[:-1] + ("lora",):
+    node = node.get(key) if hasattr(node, "get") else None
+    if node is None:
+      return None
+  return node.get(path[-1])
