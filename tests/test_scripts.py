@@ -54,3 +54,16 @@ def test_benchmark_prints_its_figures(tmp_path):
   assert record["routing"] == "balanced" and record["expert_load_max_over_mean"] == 1.0
   assert record["gemm"] == "ragged_dot" and record["tokens_per_s_per_device"] > 0
   assert 0 < record["mfu_measured_gemm"] and record["tflops_per_device"] > 0
+
+
+def test_conversion_memory_measures_both_commands(tmp_path):
+  done = subprocess.run([sys.executable, "scripts/conversion_memory.py", "--config",
+                         "configs/tiny_qwen3_moe.py", "--work", str(tmp_path / "conv")],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert done.returncode == 0, done.stderr[-2000:]
+  record = json.loads(done.stdout.strip().splitlines()[-1])
+  assert 0 < record["largest_tensor_gb"] <= record["checkpoint_gb"]
+  for step in ("import", "export"):
+    assert record[f"{step}_peak_rss_gb"] >= record["jax_process_rss_gb"] > 0
+  assert (tmp_path / "conv" / "back" / "model.safetensors").is_file()

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import pathlib
 from typing import Any, Callable
 
 import jax
 import orbax.checkpoint as ocp
+import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, quiet_orbax,
@@ -33,10 +35,16 @@ log = logging.getLogger("jmoe")
 
 
 def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) -> None:
+  """Writes `state` (on any devices) and `config`; at most CONCURRENT_GB of the arrays (or the
+  largest shard of one) are on their way to the files at any time."""
   directory = pathlib.Path(directory).absolute()
   directory.mkdir(parents=True, exist_ok=True)
-  with ocp.StandardCheckpointer() as checkpointer:
-    checkpointer.save(directory / "model", nnx.to_pure_dict(state), force=True)
+  largest = max((shard.data.nbytes for leaf in jax.tree.leaves(state)
+                 if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards), default=0)
+  handler = ocp.StandardCheckpointHandler(save_concurrent_gb=_window_gb(largest))
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(directory / "model", args=ocp.args.StandardSave(nnx.to_pure_dict(state)),
+                      force=True)
   (directory / "config.json").write_text(json.dumps(to_dict(config), indent=2))
 
 
@@ -56,6 +64,21 @@ def read_config(directory: str | pathlib.Path) -> Config:
                       f"with: restore it, or write it again from the config file") from None
   return from_config_dict(saved)
 
+
+CONCURRENT_GB = 2  # GB of arrays in flight between the devices and a model's files, at most
+
+
+def _window_gb(largest_shard_bytes: int) -> int:
+  """Orbax's window for a model's arrays: CONCURRENT_GB, or the largest shard (Orbax moves a
+  shard at once)."""
+  return max(CONCURRENT_GB, math.ceil(largest_shard_bytes / 1e9))
+
+
+def _largest_shard(sharding, shape) -> int:
+  """Elements in the largest shard `sharding` makes of an array of `shape`."""
+  return max(math.prod(s.stop - s.start if isinstance(s, slice) and s.start is not None
+                       else n for s, n in zip(index, shape))
+             if index else 1 for index in sharding.devices_indices_map(shape).values())
 
 # How a model runs rather than what it is: kept from the run's own config when the architecture
 # comes from `checkpoint.load_params` (`checkpoint.load_params_config`).
@@ -96,7 +119,12 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
     with ocp.StandardCheckpointer() as checkpointer:
       _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
              target, run_state())
-      pure = checkpointer.restore(directory / "model", target)
+    largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
+                   for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
+                  default=0)
+    handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
+    with ocp.Checkpointer(handler) as checkpointer:
+      pure = checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
   else:
     pure = _read_newest_readable(directory, target, run_state)
   state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
