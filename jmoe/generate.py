@@ -9,8 +9,8 @@ tokenizer.json file (or a directory holding one; default: CKPT's own, which impo
 keep there), or `bytes` for jmoe's byte tokenizer. `--chat` makes each prompt a user's message,
 rendered with the chat template beside the tokenizer and followed by the assistant's turn; the
 reply is the new tokens through the first special token (its end of turn). F holds one prompt per
-line, token ids separated by spaces. Temperature 0 is greedy decoding; otherwise tokens are drawn from the
-softmax at that temperature, within the top-p nucleus, from `--seed`. Decoding keeps a key/value
+line, token ids separated by spaces. Temperature 0 is greedy decoding; otherwise tokens are drawn
+from the softmax at that temperature, within the top-p nucleus, from `--seed`. Decoding keeps a key/value
 cache (multi-head latent attention: its latents); `--no-cache` recomputes the whole sequence at
 every step instead, the reference. Prints one JSON object per prompt and line:
 {"tokens": [the new token ids], "text": their text (with a tokenizer)}.
