@@ -1,12 +1,13 @@
 """jmoe: Mixture-of-Experts language model training with JAX and Flax NNX.
 
 Packages import downward only, in this order (tests/test_layout.py reads this line):
-  errors <- cli <- ops <- config <- parallel <- moe <- model <- data <- checkpoint
-  <- inference <- train <- memory <- api <- convert <- score <- generate <- distributed
+  errors <- cli <- ops <- config <- distributed <- parallel <- moe <- model <- data
+  <- checkpoint <- inference <- train <- memory <- api <- convert <- score <- generate
   <- xla_flags
 cli is what commands share; ops, the kernels and primitives, needs nothing of jmoe but its errors;
-config validates against the registries there; from api on: the Python API, the commands and
-their helpers (a `__main__.py` may import anything).
+config validates against the registries there; distributed joins a run's processes (commands
+call it); from api on: the Python API, the commands and their helpers (a `__main__.py` may import
+anything).
 
 Tensors are named with their shape, one letter per axis, each letter with one meaning:
   B batch              S sequence             N a window of S + 1 tokens (inputs, then targets)
