@@ -276,7 +276,9 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
                           f"{'embedding' if 'embed' in name else 'LM head'}, which jmoe's "
                           f"prediction modules share; jmoe cannot hold a separate one")
   for path, variable in nnx.to_flat_state(params):
-    variable.set_value(values.pop(tuple(str(p) for p in path)))
+    # As arrays of the host's own device: Orbax writes those without copying them first.
+    variable.set_value(jax.device_put(values.pop(tuple(str(p) for p in path)),
+                                      jax.devices("cpu")[0]))
   unused = sorted(set(read.weight_map) - read.used)
   if unused:
     log.warning("%d tensors of %s are not used by jmoe, e.g. %s", len(unused), hf_dir, unused[:3])
