@@ -29,7 +29,7 @@ from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.fp8 import Fp8History
 from jmoe.ops.lora import merged
-from jmoe.ops.params import LoRAParam
+from jmoe.ops.params import FROZEN_PARAMS, LoRAParam
 
 log = logging.getLogger("jmoe")
 
@@ -142,7 +142,7 @@ def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.Sta
   if not pathlib.Path(base).is_dir():
     raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {base}, which is "
                       f"gone; the adapters need it: put it back there")
-  frozen = nnx.All(nnx.Param, nnx.Not(LoRAParam))
+  frozen = FROZEN_PARAMS
   split = lambda tree, which: nnx.split_state(tree, which, ...)
   model = read_variables(base, split(abstract, nnx.Not(LoRAParam))[0],
                          split(shardings, nnx.Not(LoRAParam))[0])

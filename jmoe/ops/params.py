@@ -51,6 +51,10 @@ class LoRAParam(nnx.Param):
   `lora.rank > 0` these are the only ones that train."""
 
 
+# The parameters under the adapters: with LoRA, the frozen model.
+FROZEN_PARAMS = nnx.All(nnx.Param, nnx.Not(LoRAParam))
+
+
 def lora_factors(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], n_in: int,
                  rank: int, dtype, lead: int = 0) -> tuple[LoRAParam, LoRAParam]:
   """(A, B) for a weight of `shape` and `axes` whose first `lead` axes (experts) index separate

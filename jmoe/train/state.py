@@ -11,7 +11,7 @@ from flax import nnx, struct
 
 from jmoe.config import Config
 from jmoe.model.factory import model_factory
-from jmoe.ops.params import LoRAParam
+from jmoe.ops.params import FROZEN_PARAMS, LoRAParam
 from jmoe.parallel import Layout
 from jmoe.train.optimizer import AdamW
 
@@ -34,7 +34,7 @@ def trainable(config: Config):
 
 def frozen(config: Config):
   """The filter of the frozen parameters in `rest` (with LoRA: the model under the adapters)."""
-  return nnx.All(nnx.Param, nnx.Not(LoRAParam)) if config.lora.rank else nnx.Nothing
+  return FROZEN_PARAMS if config.lora.rank else nnx.Nothing
 
 
 @dataclasses.dataclass(frozen=True)
