@@ -10,11 +10,14 @@ a training workdir and use its latest checkpoint (a LoRA run's: its adapters fol
 model). Only local directories are read: nothing is downloaded. Train from a written CKPT with
 `--config.checkpoint.load_params=CKPT`.
 
-export-hf spreads the model over every device it finds and brings one layer of one tensor at a
-time to the host, so no device holds the whole model; run as several processes (one per host,
-joined as training joins them: JMOE_COORDINATOR / JMOE_NUM_PROCESSES / JMOE_PROCESS_ID or a SLURM
-or MPI launcher, jmoe/distributed.py) it spreads the model over all their devices, and the first
-process writes the files.
+import-hf reads the safetensors one layer of one variable at a time and writes it into the
+checkpoint at once, so the host holds a few of those, never the model. export-hf spreads the model
+over every device it finds and brings one layer of one tensor at a time to the host, so no device
+holds the whole model. Either runs as several processes (one per host, joined as training joins
+them: JMOE_COORDINATOR / JMOE_NUM_PROCESSES / JMOE_PROCESS_ID or a SLURM or MPI launcher,
+jmoe/distributed.py): import-hf's processes each read and write their share of the layers (every
+process must see --hf-dir and --out); export-hf's spread the model over all their devices, and the
+first process writes the files.
 """
 
 from __future__ import annotations
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     if overrides and args.command != "upcycle":
       parser.error(f"{args.command} takes no --config.* overrides")
     from jmoe.checkpoint.hf import export_hf, import_hf
+    import jax
+    from jmoe.distributed import initialize
     if args.command == "upcycle":
       from jmoe.checkpoint.upcycle import upcycle
       from jmoe.config import load_config
@@ -66,16 +71,16 @@ def main(argv: list[str] | None = None) -> int:
       upcycle(args.checkpoint, config, args.out, args.router_std, args.overwrite)
       print(f"wrote {args.out} ({config.moe.num_experts} experts, top-{config.moe.top_k})")
     elif args.command == "import-hf":
+      initialize()
       config = import_hf(args.hf_dir, args.out, args.params_dtype, args.overwrite)
-      print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
-            f"{config.moe.num_experts} experts)")
+      if jax.process_index() == 0:
+        print(f"wrote {args.out} ({config.model.family}, {config.model.num_layers} layers, "
+              f"{config.moe.num_experts} experts)")
     else:
-      from jmoe.distributed import initialize
       initialize()
       interleave = None if args.rope_interleave is None else args.rope_interleave == "true"
       out = export_hf(args.checkpoint, args.out, int(args.shard_gb * 2**30), args.dtype, interleave,
                       args.overwrite)
-      import jax
       if jax.process_index() == 0:
         print(f"wrote {out}")
     return 0

@@ -6,9 +6,11 @@ on a generated checkpoint, against the size of the model and of its largest tens
 
 Writes a random model of the config as a Hugging Face directory (bf16), then runs
 `python -m jmoe.convert import-hf` and `export-hf` on it, each in a process of its own, and prints
-one JSON line: the checkpoint's bytes, its largest tensor's, and each command's peak resident set
-(ru_maxrss of the child) and wall time. Run it where the model fits in the devices' memory (a GPU
-machine): the devices hold the model, the host only what passes through.
+one JSON line: the checkpoint's bytes, its largest tensor's, the largest layer of one jmoe variable
+(what import-hf makes and writes at once, in bf16), and each command's peak resident set
+(ru_maxrss of the child) and wall time. import-hf holds a few of those layers whatever the model's
+size. export-hf places the model on the devices: run it where the model fits in their memory (a
+GPU machine) to see what passes through the host; on CPU the devices are the host.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{str(work / 'hf')!r})")
   _, generate_s = child_peak(["-c", generate])
   sizes = tensor_bytes(work / "hf")
+  part = largest_part_bytes(args.config, overrides)
   base_rss, _ = child_peak(["-c", "import jax, jmoe.checkpoint.hf; jax.devices()"])
   import_rss, import_s = child_peak(["-m", "jmoe.convert", "import-hf", "--hf-dir",
                                      str(work / "hf"), "--out", str(work / "ckpt"),
@@ -87,11 +90,24 @@ def main(argv: list[str] | None = None) -> int:
   print(json.dumps({"config": args.config, "overrides": overrides,
                     "checkpoint_gb": round(sum(sizes) / 1e9, 6),
                     "largest_tensor_gb": round(max(sizes) / 1e9, 6),
+                    "largest_part_gb": round(part / 1e9, 6),
                     "jax_process_rss_gb": round(base_rss / 1e9, 3),
                     "import_peak_rss_gb": round(import_rss / 1e9, 3), "import_s": round(import_s, 1),
                     "export_peak_rss_gb": round(export_rss / 1e9, 3), "export_s": round(export_s, 1),
                     "generate_s": round(generate_s, 1)}))
   return 0
+
+
+def largest_part_bytes(config_path: str, overrides: list[str]) -> int:
+  """Bytes of the largest layer of one jmoe variable (a whole variable when not stacked), bf16."""
+  import jax
+  from flax import nnx
+  from jmoe.config import load_config
+  from jmoe.model.factory import model_factory
+  config = load_config(config_path, [*overrides, "precision.params=bfloat16"])
+  stacked = ("dense_blocks", "moe_blocks")
+  return max(np_prod(v.shape[1:] if str(path[0]) in stacked else v.shape) * 2
+             for path, v in nnx.to_flat_state(nnx.state(nnx.eval_shape(model_factory(config)))))
 
 
 def write_random(config_path: str, overrides: list[str], out: str) -> None:

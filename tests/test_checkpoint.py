@@ -313,3 +313,42 @@ def test_upcycling_refuses_what_cannot_match(tmp_path):
   with pytest.raises(ConfigError, match=r"neither model/ \(a model checkpoint\) nor a checkpoint"):
     read_variables(tmp_path, abstract,
                    make_layout(ParallelConfig(), jax.devices()[:1]).shardings(abstract))
+
+
+@pytest.mark.parametrize("part_bytes", [1 << 30, 200_000])
+def test_import_hf_holds_a_few_parts_never_the_model(tmp_path, part_bytes):
+  """import-hf makes and writes one part of one variable at a time (a layer; with a small
+  `part_bytes`, a block of experts): the numpy memory it holds at its peak (tracemalloc sees every
+  numpy array) is a few of the largest parts, a small share of the model, and the checkpoint it
+  writes is the model, value for value."""
+  import tracemalloc
+  from jmoe.checkpoint.hf import export_hf, import_hf
+  config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", [
+      "model.num_layers=16", "model.d_model=128", "moe.num_experts=16", "moe.d_ff_expert=128",
+      "model.vocab_size=512"])
+  model = nnx.state(model_factory(config)())
+  save_model(tmp_path / "ckpt", model, config)
+  export_hf(tmp_path / "ckpt", tmp_path / "hf")
+  flat = nnx.to_flat_state(model)
+  layer = lambda path, v: v[...][0] if str(path[0]).endswith("blocks") else v[...]
+  experts = lambda path: str(path[-1]).split("_")[-1].startswith("E")  # w_in_ED2F, w_out_EFD
+  largest_layer = max(layer(path, v).nbytes for path, v in flat)
+  part = max(max(layer(path, v).nbytes for path, v in flat if not experts(path)),
+             *(min(layer(path, v).nbytes, max(part_bytes, layer(path, v)[0].nbytes))
+               for path, v in flat if experts(path)))
+  model_bytes = sum(v[...].nbytes for _, v in flat)
+  assert model_bytes > 20 * part  # the bound below is far from holding the model
+  tracemalloc.start()
+  try:
+    import_hf(tmp_path / "hf", tmp_path / "back", part_bytes=part_bytes)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert peak < 5 * part, (peak, part, model_bytes)
+  if part_bytes < largest_layer:  # the experts' layers were made in blocks
+    assert peak < largest_layer, (peak, largest_layer)
+  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  back = read_variables(tmp_path / "back", abstract, jax.tree.map(lambda _: one_device, abstract))
+  for (path, want), (_, got) in zip(flat, nnx.to_flat_state(back)):
+    np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), err_msg=str(path))

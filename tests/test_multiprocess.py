@@ -87,35 +87,47 @@ def test_incomplete_process_settings_are_refused(monkeypatch):
     distributed.initialize(coordinator="h:1")
 
 
-def test_export_spread_over_two_processes_writes_what_one_device_writes(tmp_path):
+def in_two_processes(args: list[str], env: dict | None = None) -> list[tuple[int, str, str]]:
+  """(exit code, stdout, stderr) of `python -m jmoe.convert ARGS` run as 2 processes x 4
+  devices."""
+  port, procs = free_port(), []
+  for i in range(2):
+    environ = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}",
+                   JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID=str(i), **(env or {}))
+    procs.append(subprocess.Popen([sys.executable, "-m", "jmoe.convert", *args], cwd=ROOT,
+                                  env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True))
+  return [(proc.returncode, *outs) for proc, outs in
+          zip(procs, [proc.communicate(timeout=300) for proc in procs])]
+
+
+def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp_path):
   """export-hf with the model spread over 2 processes x 4 devices (and over this process's 8)
-  writes the tensors one device writes."""
+  writes the tensors one device writes; import-hf in 2 processes, each writing its share of the
+  layers, writes the checkpoint the model came from, value for value."""
   from flax import nnx
   from jmoe.checkpoint.hf import export_hf
   from jmoe.checkpoint.hf_files import SafetensorsReader
-  from jmoe.checkpoint.params import save_model
+  from jmoe.checkpoint.params import read_variables, save_model
   from jmoe.model.factory import model_factory
   config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", ["model.d_model=32", "model.d_ff=64",
                                                                  "moe.d_ff_expert=16"])
-  save_model(tmp_path / "ckpt", nnx.state(model_factory(config)()), config)
+  model = nnx.state(model_factory(config)())
+  save_model(tmp_path / "ckpt", model, config)
   export_hf(tmp_path / "ckpt", tmp_path / "eight", shard_bytes=60_000)
-  command = [sys.executable, "-m", "jmoe.convert", "export-hf", "--checkpoint",
-             str(tmp_path / "ckpt"), "--shard-gb", str(60_000 / 2**30)]
-  one = subprocess.run(command + ["--out", str(tmp_path / "one")], cwd=ROOT, capture_output=True,
-                       text=True, env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                           XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+  shard = ["--shard-gb", str(60_000 / 2**30)]
+  one = subprocess.run([sys.executable, "-m", "jmoe.convert", "export-hf", "--checkpoint",
+                        str(tmp_path / "ckpt"), "--out", str(tmp_path / "one"), *shard],
+                       cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu",
+                                XLA_FLAGS="--xla_force_host_platform_device_count=1"))
   assert one.returncode == 0, one.stderr[-2000:]
-  port, procs = free_port(), []
-  for i in range(2):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="2",
-               JMOE_PROCESS_ID=str(i))
-    procs.append(subprocess.Popen(command + ["--out", str(tmp_path / "two")], cwd=ROOT, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-  outs = [proc.communicate(timeout=300) for proc in procs]
-  for proc, (_, err) in zip(procs, outs):
-    assert proc.returncode == 0, err[-3000:]
-  assert "wrote" in outs[0][0] and "wrote" not in outs[1][0]  # the first process writes
+  two = in_two_processes(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out",
+                          str(tmp_path / "two"), *shard])
+  for code, _, err in two:
+    assert code == 0, err[-3000:]
+  assert "wrote" in two[0][1] and "wrote" not in two[1][1]  # the first process writes
   reference = SafetensorsReader(tmp_path / "one")
   assert len(set(reference.weight_map.values())) > 1  # several shards, with an index
   for name in ("eight", "two"):
@@ -125,3 +137,12 @@ def test_export_spread_over_two_processes_writes_what_one_device_writes(tmp_path
       np.testing.assert_array_equal(other(key), reference(key), err_msg=f"{name}: {key}")
     assert (tmp_path / name / "config.json").read_text() == (tmp_path / "one" /
                                                              "config.json").read_text()
+  for code, _, err in in_two_processes(["import-hf", "--hf-dir", str(tmp_path / "two"), "--out",
+                                        str(tmp_path / "back")]):
+    assert code == 0, err[-3000:]
+  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  back = read_variables(tmp_path / "back", abstract, jax.tree.map(lambda _: one_device, abstract))
+  for (path, want), (_, got) in zip(nnx.to_flat_state(model), nnx.to_flat_state(back)):
+    np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), err_msg=str(path))
+  assert not list(tmp_path.glob(".back.writing-*"))

@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: local directories of config.json + safetensors.
 
-Conversion goes tensor by tensor: a reader opens the (possibly sharded) safetensors files lazily,
-and the writer flushes a shard as soon as it is full, so a model is never held twice in host memory.
+Conversion goes one layer of one variable at a time, both ways: import reads the tensors of a
+layer from the (possibly sharded) safetensors files when the checkpoint writer asks for that layer
+(jmoe/checkpoint/streamed.py); export brings a layer from the devices to the host and the writer
+flushes a safetensors shard as soon as it is full. Neither holds the model in host memory.
 Every jmoe parameter has one mapping below; a tensor that is missing is an error naming it.
 """
 
@@ -23,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
                                       read_json, refuse_to_overwrite, written_in_place)
-from jmoe.checkpoint.params import read_config, read_variables, save_model
+from jmoe.checkpoint.params import read_config, read_variables
+from jmoe.checkpoint.streamed import Region, StreamedArray, part_shape, save_streamed
 from jmoe.config import (Config, ConfigError, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.model.factory import model_factory
@@ -35,7 +38,7 @@ log = logging.getLogger("jmoe")
 
 # ---- the mapping: a jmoe parameter (one layer of it) <-> named Hugging Face tensors
 
-Get = Callable[[str], np.ndarray]
+Get = Callable[..., np.ndarray]  # (name[, rows: a slice of the leading axis]) -> the tensor
 
 
 def _linear(name: str, in_dims: int):
@@ -70,14 +73,23 @@ def _gate_up(gate: str, up: str):
 
 
 def _per_expert(num_experts: int, make: Callable[[str], tuple]):
-  """A mapping applied to each expert e (names with `{e}`), stacked along a leading expert axis."""
-  def to_jmoe(get: Get, shape) -> np.ndarray:
-    return np.stack([make(str(e))[0](get, shape[1:]) for e in range(num_experts)])
+  """A mapping applied to each expert e (names with `{e}`), stacked along a leading expert axis
+  (on import, of the block of `experts` asked for)."""
+  def to_jmoe(get: Get, shape, experts: slice = slice(None)) -> np.ndarray:
+    return np.stack([make(str(e))[0](get, shape[1:]) for e in range(num_experts)[experts]])
 
   def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
     return {k: v for e in range(num_experts) for k, v in make(str(e))[1](a[e]).items()}
 
   return to_jmoe, to_hf
+
+
+def _expert_rows(mapping):
+  """A mapping of tensors whose leading axis is the experts, made (on import) for a block of
+  `experts`: only their rows are read."""
+  to_jmoe, to_hf = mapping
+  return (lambda get, shape, experts=slice(None): to_jmoe(lambda name: get(name, experts), shape),
+          to_hf)
 
 
 def _rope_interleaved(mapping, start: int, size: int):
@@ -161,12 +173,18 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
     })
   if family.fused_experts:
     mappings.update({
-        ("mlp", "w_in_ED2F"): _interleaved_pairs(f"{moe}.experts.gate_up_proj"),
-        ("mlp", "b_in_E2F"): _interleaved_pairs(f"{moe}.experts.gate_up_proj_bias"),
-        ("mlp", "w_out_EFD"): _same(f"{moe}.experts.down_proj"),
-        ("mlp", "b_out_ED"): _same(f"{moe}.experts.down_proj_bias"),
+        ("mlp", "w_in_ED2F"): _expert_rows(_interleaved_pairs(f"{moe}.experts.gate_up_proj")),
+        ("mlp", "b_in_E2F"): _expert_rows(_interleaved_pairs(f"{moe}.experts.gate_up_proj_bias")),
+        ("mlp", "w_out_EFD"): _expert_rows(_same(f"{moe}.experts.down_proj")),
+        ("mlp", "b_out_ED"): _expert_rows(_same(f"{moe}.experts.down_proj_bias")),
     })
   return mappings
+
+
+# A layer's variables whose first axis is the routed experts: their mappings take a block of
+# experts (`experts=slice`), and import makes them a block at a time.
+EXPERT_AXIS = {("mlp", "w_in_ED2F"), ("mlp", "w_out_EFD"), ("mlp", "b_in_E2F"),
+               ("mlp", "b_out_ED")}
 
 
 TOP_MAPPINGS = {
@@ -226,10 +244,17 @@ def _walk(config: Config, family: Family, params: nnx.State, interleaved: bool
       yield path, variable, None, "", TOP_MAPPINGS[path]
 
 
+PART_BYTES = 1 << 30  # the most bytes of a block of experts that import-hf makes at once
+
+
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
-              params_dtype: str = "float32", overwrite: bool = False) -> Config:
+              params_dtype: str = "float32", overwrite: bool = False,
+              part_bytes: int = PART_BYTES) -> Config:
   """Reads a local Hugging Face model directory; writes a jmoe model checkpoint to `out` (which
-  must be empty or new, unless `overwrite`)."""
+  must be empty or new, unless `overwrite`). One part of one variable is read, converted and
+  written at a time (one layer; of the routed experts' weights, a block of experts within
+  `part_bytes`), the next made while the last is written: the host holds a few parts, never the
+  model. Run in several processes, each reads and writes its share of the parts."""
   hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out).absolute()
   refuse_to_overwrite(out, overwrite)
   if not (hf_dir / "config.json").is_file():
@@ -250,42 +275,70 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
                                            precision=PrecisionConfig(params=params_dtype,
                                                                      compute="float32"))))
   params = nnx.state(nnx.eval_shape(model_factory(config)))
-  values: dict[tuple, np.ndarray] = {}
   interleaved = bool(hf.get("rope_interleave", False))
-  for path, variable, layer, prefix, (to_jmoe, _) in _walk(config, family, params, interleaved):
-    get = lambda name: read(prefix + name)
-    shape = variable.shape if layer is None else variable.shape[1:]
-    try:
-      value = to_jmoe(get, shape)
-    except ValueError as e:  # a tensor of another shape than config.json implies
-      raise ConfigError(f"{hf_dir}: the tensors under {prefix or 'the top'} for jmoe's "
-                        f"{'.'.join(path)} do not have the shapes its config.json implies "
-                        f"({shape}): {e}") from None
-    if layer is None:
-      values[path] = value.astype(variable.dtype)
-    else:
-      if path not in values:
-        values[path] = np.empty(variable.shape, variable.dtype)
-      values[path][layer] = value
-  for prefix in mtp_prefixes(config, family):  # copies of what jmoe's modules share
-    table_VD = values[("embed", "table")]
-    head_VD = table_VD if config.model.tie_embeddings else values[("head_DV",)].T
-    for name, own in (("embed_tokens.weight", table_VD), ("shared_head.head.weight", head_VD)):
-      if prefix + name in read.weight_map and not np.array_equal(read(prefix + name), own):
+  _check_mtp_copies(read, config, family, hf_dir)
+  layers: dict[tuple, list] = {}  # a variable's (HF prefix, to_jmoe) for each layer, or the one
+  for path, _, _, prefix, (to_jmoe, _) in _walk(config, family, params, interleaved):
+    layers.setdefault(path, []).append((prefix, to_jmoe))
+
+  def streamed(path: tuple, variable) -> StreamedArray:
+    stacked = path[0] in ("dense_blocks", "moe_blocks")
+    experts = path[-2:] in EXPERT_AXIS
+    shape = part_shape(variable.shape, stacked, int(stacked) if experts else None,
+                       np.dtype(variable.dtype).itemsize, part_bytes)
+
+    def make(region: Region) -> np.ndarray:
+      prefix, to_jmoe = layers[path][region[0].start if stacked else 0]
+      layer_shape = shape[1:] if stacked else shape
+      block = {"experts": region[int(stacked)]} if experts else {}
+      try:
+        value = to_jmoe(lambda name, rows=None: read(prefix + name, rows), layer_shape, **block)
+      except ConfigError:  # a tensor missing or unreadable: its own message
+        raise
+      except ValueError as e:  # a tensor of another shape than config.json implies
+        raise ConfigError(f"{hf_dir}: the tensors under {prefix or 'the top'} for jmoe's "
+                          f"{'.'.join(path)} do not have the shapes its config.json implies "
+                          f"({variable.shape}): {e}") from None
+      return value.reshape(shape)
+
+    return StreamedArray(tuple(variable.shape), np.dtype(variable.dtype), shape, make)
+
+  tree = jax.tree_util.tree_map_with_path(
+      lambda keys, variable: streamed(tuple(str(k.key) for k in keys), variable),
+      nnx.to_pure_dict(params))
+  with written_in_place(out, every_process=True) as tmp:
+    save_streamed(tmp, tree, config)
+    if jax.process_index() == 0:
+      copy_tokenizer_files(hf_dir, tmp)
+  _warn_unused(read, hf_dir)
+  return config
+
+
+def _check_mtp_copies(read: SafetensorsReader, config: Config, family: Family,
+                      hf_dir: pathlib.Path) -> None:
+  """DeepSeek-V3's files hold a copy of the embedding and the LM head for each prediction
+  module; jmoe's modules share the model's own, so the copies must equal them."""
+  for prefix in mtp_prefixes(config, family):
+    own = {"embed_tokens.weight": "model.embed_tokens.weight",
+           "shared_head.head.weight": ("model.embed_tokens.weight"
+                                       if config.model.tie_embeddings else "lm_head.weight")}
+    for name, model_name in own.items():
+      if prefix + name in read.weight_map and not np.array_equal(read(prefix + name),
+                                                                 read(model_name)):
         raise ConfigError(f"{hf_dir}: {prefix + name} differs from the model's own "
                           f"{'embedding' if 'embed' in name else 'LM head'}, which jmoe's "
                           f"prediction modules share; jmoe cannot hold a separate one")
-  for path, variable in nnx.to_flat_state(params):
-    # As arrays of the host's own device: Orbax writes those without copying them first.
-    variable.set_value(jax.device_put(values.pop(tuple(str(p) for p in path)),
-                                      jax.devices("cpu")[0]))
-  unused = sorted(set(read.weight_map) - read.used)
-  if unused:
+
+
+def _warn_unused(read: SafetensorsReader, hf_dir: pathlib.Path) -> None:
+  """Warns of the tensors no process read (each process reads the layers it writes)."""
+  names = sorted(read.weight_map)
+  used = np.array([name in read.used for name in names])
+  if jax.process_count() > 1:
+    used = np.asarray(multihost_utils.process_allgather(used)).any(axis=0)
+  unused = [name for name, u in zip(names, used) if not u]
+  if unused and jax.process_index() == 0:
     log.warning("%d tensors of %s are not used by jmoe, e.g. %s", len(unused), hf_dir, unused[:3])
-  with written_in_place(out) as tmp:
-    save_model(tmp, params, config)
-    copy_tokenizer_files(hf_dir, tmp)
-  return config
 
 
 def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,

@@ -11,7 +11,9 @@ import pathlib
 import shutil
 from typing import Iterator
 
+import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -53,16 +55,17 @@ class SafetensorsReader:
       raise ConfigError(f"{path} is not a readable safetensors file ({type(e).__name__}: "
                         f"{str(e)[:200]}); download it again") from None
 
-  def __call__(self, name: str) -> np.ndarray:
+  def __call__(self, name: str, rows: slice | None = None) -> np.ndarray:
+    """The tensor `name` (only `rows` of its leading axis, if given)."""
     if name not in self.weight_map and f"{name}_blocks" in self.weight_map:
-      return dequantize_mxfp4(self(f"{name}_blocks"), self(f"{name}_scales"), name)
+      return dequantize_mxfp4(self(f"{name}_blocks", rows), self(f"{name}_scales", rows), name)
     if name not in self.weight_map:
       raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
     self.used.add(name)
     path = self.directory / self.weight_map[name]
     with self._open(path) as f:
       try:
-        return f.get_tensor(name)
+        return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
       except Exception as e:  # noqa: BLE001 - a truncated file fails here
         raise ConfigError(f"tensor {name!r} cannot be read from {path} ({type(e).__name__}: "
                           f"{str(e)[:200]}); download it again") from None
@@ -125,20 +128,35 @@ def refuse_to_overwrite(out: pathlib.Path, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def written_in_place(out: pathlib.Path) -> Iterator[pathlib.Path]:
+def written_in_place(out: pathlib.Path, every_process: bool = False) -> Iterator[pathlib.Path]:
   """A temporary directory beside `out` to write into; renamed to `out` (replacing it) once the
-  block ends without an error, and removed if it fails: `out` is never left half written."""
-  tmp = out.with_name(f".{out.name}.writing-{os.getpid()}")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
+  block ends without an error, and removed if it fails: `out` is never left half written. With
+  `every_process`, the processes of a multi-process run all write into the first one's."""
+  many = every_process and jax.process_count() > 1
+  pid = os.getpid()
+  if many:
+    pid = int(multihost_utils.broadcast_one_to_all(np.int32(pid)))
+  first = not many or jax.process_index() == 0
+  tmp = out.with_name(f".{out.name}.writing-{pid}")
+  if first:
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+  if many:
+    multihost_utils.sync_global_devices(f"jmoe: made {tmp}")
   try:
     yield tmp
   except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
+    if first:
+      shutil.rmtree(tmp, ignore_errors=True)
     raise
-  if out.exists():
-    shutil.rmtree(out) if out.is_dir() else out.unlink()
-  tmp.rename(out)
+  if many:
+    multihost_utils.sync_global_devices(f"jmoe: written {tmp}")
+  if first:
+    if out.exists():
+      shutil.rmtree(out) if out.is_dir() else out.unlink()
+    tmp.rename(out)
+  if many:
+    multihost_utils.sync_global_devices(f"jmoe: renamed {tmp}")
 
 
 class ShardedWriter:

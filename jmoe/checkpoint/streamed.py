@@ -1,0 +1,135 @@
+"""Model checkpoints written part by part, each part made only when it is written.
+
+A `StreamedArray` stands for an array that is never whole in memory: it knows its shape, its dtype
+and the shape of its parts (a regular grid: one layer of a stacked variable, a block of experts),
+and makes a part when that part is written. `save_streamed` hands a tree of them to Orbax, which
+writes the checkpoint `jmoe.checkpoint.params.save_model` writes (OCDBT; one zarr chunk per part),
+so every reader of model checkpoints reads it. At most two parts are in memory at a time: one being
+made while the one before it is written. With several processes each makes and writes its share of
+the parts (part i on process i % process_count), and Orbax joins what they wrote.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from jax.experimental import multihost_utils
+
+from jmoe.config import Config, ConfigError, to_dict
+
+Region = tuple[slice, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StreamedArray:
+  """An array of `shape` in parts of `part_shape` (each axis divides evenly); `make(region)`
+  returns the part at `region` (a slice per axis)."""
+
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  part_shape: tuple[int, ...]
+  make: Callable[[Region], np.ndarray]
+
+  def regions(self) -> Iterator[Region]:
+    """Every part's region, in order."""
+    counts = [n // p for n, p in zip(self.shape, self.part_shape)]
+    for index in itertools.product(*map(range, counts)):
+      yield tuple(slice(i * p, (i + 1) * p) for i, p in zip(index, self.part_shape))
+
+  def part(self, region: Region) -> np.ndarray:
+    value = np.asarray(self.make(region), self.dtype)
+    if value.shape != self.part_shape:  # a bug in a mapping, not in the user's files
+      raise AssertionError(f"the part at {region} has shape {value.shape}, not "
+                           f"{self.part_shape}")
+    return value
+
+
+def part_shape(shape: Sequence[int], stacked: bool, blocked_axis: int | None, itemsize: int,
+               target_bytes: int) -> tuple[int, ...]:
+  """Parts of an array: one layer of it when `stacked` (axis 0), and along `blocked_axis` the
+  largest block of whole rows (dividing the axis) that keeps a part within `target_bytes` (one
+  row at least); the other axes whole."""
+  out = [1 if stacked and axis == 0 else n for axis, n in enumerate(shape)]
+  if blocked_axis is not None:
+    row = math.prod(out) // out[blocked_axis] * itemsize
+    n = shape[blocked_axis]
+    out[blocked_axis] = max(d for d in range(1, n + 1) if n % d == 0 and
+                            (d == 1 or d * row <= target_bytes))
+  return tuple(out)
+
+
+class _StreamedHandler(ocp.type_handlers.NumpyHandler):
+  """Orbax's handler for `StreamedArray`s, saved as the numpy arrays they stand for. A part that
+  cannot be made (a ConfigError: a tensor missing or damaged) stops the writing and is kept in
+  `failed`, so that Orbax ends its save in step with the other processes and the caller raises
+  it; what was written is then incomplete and must be thrown away."""
+
+  def __init__(self):
+    super().__init__()
+    self.failed: list[ConfigError] = []
+
+  async def serialize(self, values: Sequence[StreamedArray], infos, args=None):
+    args = args or [ocp.SaveArgs()] * len(values)
+    return [ocp.future.CommitFutureAwaitingContractedSignals(
+        self._write(values, infos, args), name="jmoe_streamed")]
+
+  async def _write(self, values: Sequence[StreamedArray], infos, args) -> None:
+    index, count = ocp.multihost.process_index(), ocp.multihost.process_count()
+    for value, info, arg in zip(values, infos, args):
+      await info.await_path_creation()
+      spec = ocp.type_handlers.get_json_tspec_write(
+          info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
+          local_shape=value.part_shape, dtype=value.dtype,
+          process_index=index if info.is_ocdbt_checkpoint else None, arg=arg)
+      if index == 0:  # writes the array's metadata; the others assume it
+        await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
+      store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True,
+                            context=info.ts_context)
+      writing = None
+      for region in itertools.islice(value.regions(), index, None, count):
+        try:  # made while the previous part is written
+          part = await asyncio.to_thread(value.part, region)
+        except ConfigError as e:
+          self.failed.append(e)
+          return
+        if writing is not None:
+          await writing
+        writing = store[region].write(part, can_reference_source_data_indefinitely=True)
+      if writing is not None:
+        await writing
+
+
+def save_streamed(directory: str | pathlib.Path, tree: dict[str, Any], config: Config) -> None:
+  """Writes a (nested dict) tree of `StreamedArray`s as a model checkpoint with `config`, in
+  the layout `jmoe.checkpoint.params.save_model` writes; every process calls it."""
+  directory = pathlib.Path(directory).absolute()
+  directory.mkdir(parents=True, exist_ok=True)
+  streamed = _StreamedHandler()
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (StreamedArray, streamed), (jax.Array, ocp.type_handlers.ArrayHandler()))  # (Orbax asks)
+  # Orbax's check that every array has data would fail a save that a missing tensor stopped
+  # (on the first process only, leaving the others waiting): the processes agree below instead.
+  handler = ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
+      type_handler_registry=registry, enable_post_merge_validation=False))
+  with ocp.Checkpointer(handler) as checkpointer:
+    checkpointer.save(directory / "model", args=ocp.args.PyTreeSave(tree), force=True)
+  failed = len(streamed.failed)
+  if ocp.multihost.process_count() > 1:
+    failed = multihost_utils.process_allgather(np.int32(failed))
+  if streamed.failed:
+    raise streamed.failed[0]
+  if np.any(failed):
+    raise ConfigError("another process could not read its part of the model; its message says "
+                      "which tensor")
+  if ocp.multihost.process_index() == 0:
+    (directory / "config.json").write_text(json.dumps(to_dict(config), indent=2))
