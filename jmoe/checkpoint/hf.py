@@ -76,7 +76,13 @@ def _per_expert(num_experts: int, make: Callable[[str], tuple]):
   """A mapping applied to each expert e (names with `{e}`), stacked along a leading expert axis
   (on import, of the block of `experts` asked for)."""
   def to_jmoe(get: Get, shape, experts: slice = slice(None)) -> np.ndarray:
-    return np.stack([make(str(e))[0](get, shape[1:]) for e in range(num_experts)[experts]])
+    out = None
+    for i, e in enumerate(range(num_experts)[experts]):  # filled in place: one copy in memory
+      one = make(str(e))[0](get, shape[1:])
+      if out is None:
+        out = np.empty((len(range(num_experts)[experts]), *one.shape), one.dtype)
+      out[i] = one
+    return out
 
   def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
     return {k: v for e in range(num_experts) for k, v in make(str(e))[1](a[e]).items()}

@@ -91,6 +91,7 @@ class _StreamedHandler(ocp.type_handlers.NumpyHandler):
           info, use_ocdbt=info.is_ocdbt_checkpoint, global_shape=value.shape,
           local_shape=value.part_shape, dtype=value.dtype,
           process_index=index if info.is_ocdbt_checkpoint else None, arg=arg)
+      spec.setdefault("dtype", value.dtype.name)  # (Orbax before 0.12.8 leaves it to the caller)
       if index == 0:  # writes the array's metadata; the others assume it
         await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
       store = await ts.open(ts.Spec(spec), open=True, assume_metadata=True,
