@@ -3,6 +3,8 @@ computes: loss, every gradient and the per-layer router statistics, for stages f
 dense and expert layouts, circular repeats and a model with dense layers first; and checkpoints
 move between pipeline sizes."""
 
+import shutil
+
 import jax
 import numpy as np
 import pytest
@@ -30,10 +32,11 @@ LAYOUTS = {  # name: parallel config
 }
 
 
-def config_for(parallel=None, **train):
+def config_for(parallel=None, checkpoint=None, **train):
   moe = dict(dispatcher="alltoall", balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001))
   return tiny_config(model=MODEL, moe=moe, train=dict(BATCH, **train),
-                     **({"parallel": parallel} if parallel else {}))
+                     **({"parallel": parallel} if parallel else {}),
+                     **({"checkpoint": checkpoint} if checkpoint else {}))
 
 
 def gradients(config, devices):
@@ -130,14 +133,16 @@ def test_pipeline_sizes_that_cannot_work():
 @pytest.mark.parametrize("first, then", [(2, 1), (1, 4)])
 def test_resume_across_pipeline_sizes(tmp_path, first, then):
   """A run saved with PP `first` resumes with PP `then` and logs the uninterrupted run's losses."""
-  def run(stages, steps, workdir):
+  def run(stages, workdir):
     parallel = dict(pipeline=stages, dense=dict(data=8 // stages), expert=dict(data=8 // stages))
-    config = config_for(parallel, steps=steps, warmup_steps=1, micro_batch_size=8)
+    config = config_for(parallel, dict(every=2, async_save=False), steps=4, warmup_steps=1,
+                        micro_batch_size=8)
     return {r["step"]: r["loss"] for r in train(config, workdir, progress=False)}
 
-  whole = run(first, 4, tmp_path / "whole")
-  run(first, 2, tmp_path / "split")
-  resumed = run(then, 4, tmp_path / "split")
+  whole = run(first, tmp_path / "whole")
+  shutil.copytree(tmp_path / "whole", tmp_path / "split")  # as if it had stopped after step 2
+  shutil.rmtree(tmp_path / "split" / "checkpoints" / "4")
+  resumed = run(then, tmp_path / "split")
   assert sorted(resumed) == [3, 4]
   for step in (3, 4):
     np.testing.assert_allclose(resumed[step], whole[step], rtol=1e-5)
