@@ -70,11 +70,14 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   interleaved = bool(hf.get("rope_interleave", False))
   _check_mtp_copies(read, config, family, hf_dir)
   layers: dict[tuple, list] = {}  # a variable's (HF prefix, to_jmoe) for each layer, or the one
-  for path, _, _, prefix, (to_jmoe, _) in walk(config, family, params, interleaved):
+  stacked_paths = set()
+  for path, _, layer, prefix, (to_jmoe, _) in walk(config, family, params, interleaved):
     layers.setdefault(path, []).append((prefix, to_jmoe))
+    if layer is not None:
+      stacked_paths.add(path)
 
   def streamed(path: tuple, variable) -> StreamedArray:
-    stacked = path[0] in ("dense_blocks", "moe_blocks")
+    stacked = path in stacked_paths
     experts = path[-2:] in EXPERT_AXIS
     shape = part_shape(variable.shape, stacked, int(stacked) if experts else None,
                        np.dtype(variable.dtype).itemsize, part_bytes)
