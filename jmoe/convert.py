@@ -10,14 +10,14 @@ a training workdir and use its latest checkpoint (a LoRA run's: its adapters fol
 model). Only local directories are read: nothing is downloaded. Train from a written CKPT with
 `--config.checkpoint.load_params=CKPT`.
 
-import-hf reads the safetensors one layer of one variable at a time and writes it into the
-checkpoint at once, so the host holds a few of those, never the model. export-hf spreads the model
-over every device it finds and brings one layer of one tensor at a time to the host, so no device
-holds the whole model. Either runs as several processes (one per host, joined as training joins
-them: JMOE_COORDINATOR / JMOE_NUM_PROCESSES / JMOE_PROCESS_ID or a SLURM or MPI launcher,
-jmoe/distributed.py): import-hf's processes each read and write their share of the layers (every
-process must see --hf-dir and --out); export-hf's spread the model over all their devices, and the
-first process writes the files.
+Both go one part of one variable at a time (a layer; of the routed experts' weights, a block of
+experts within 1 GiB), on the host: import-hf reads a part from the safetensors and writes it into
+the checkpoint at once; export-hf reads a part from the checkpoint and adds it to the safetensors
+file being filled (at most --shard-gb). The host holds a few parts (and that file), never the
+model, and no device is used. Either runs as several processes (one per host, joined as training
+joins them: JMOE_COORDINATOR / JMOE_NUM_PROCESSES / JMOE_PROCESS_ID or a SLURM or MPI launcher,
+jmoe/distributed.py), each reading and writing its share of the parts; every process must see the
+input and --out.
 """
 
 from __future__ import annotations

@@ -7,10 +7,9 @@ on a generated checkpoint, against the size of the model and of its largest tens
 Writes a random model of the config as a Hugging Face directory (bf16), then runs
 `python -m jmoe.convert import-hf` and `export-hf` on it, each in a process of its own, and prints
 one JSON line: the checkpoint's bytes, its largest tensor's, the largest layer of one jmoe variable
-(what import-hf makes and writes at once, in bf16), and each command's peak resident set
-(ru_maxrss of the child) and wall time. import-hf holds a few of those layers whatever the model's
-size. export-hf places the model on the devices: run it where the model fits in their memory (a
-GPU machine) to see what passes through the host; on CPU the devices are the host.
+(at most what either command converts at once, in bf16), and each command's peak resident set
+(ru_maxrss of the child) and wall time. Both commands hold a few of those parts whatever the
+model's size; export-hf also the safetensors file it is filling (`--shard-gb`, 1 here).
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "--params-dtype", "bfloat16"])
   export_rss, export_s = child_peak(["-m", "jmoe.convert", "export-hf", "--checkpoint",
                                      str(work / "ckpt"), "--out", str(work / "back"),
-                                     "--shard-gb", "2"])
+                                     "--shard-gb", "1"])
   print(json.dumps({"config": args.config, "overrides": overrides,
                     "checkpoint_gb": round(sum(sizes) / 1e9, 6),
                     "largest_tensor_gb": round(max(sizes) / 1e9, 6),

@@ -315,6 +315,34 @@ def test_upcycling_refuses_what_cannot_match(tmp_path):
                    make_layout(ParallelConfig(), jax.devices()[:1]).shardings(abstract))
 
 
+def _conversion_model(tmp_path: pathlib.Path, part_bytes: int):
+  """(config, model state, model bytes, largest part): a model of many small parts, saved in
+  tmp_path/ckpt; its largest part is one layer of one variable, or with a small `part_bytes` a
+  block of experts within it (one expert at least)."""
+  config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", [
+      "model.num_layers=16", "model.d_model=128", "moe.num_experts=16", "moe.d_ff_expert=128",
+      "model.vocab_size=512"])
+  model = nnx.state(model_factory(config)())
+  save_model(tmp_path / "ckpt", model, config)
+  flat = nnx.to_flat_state(model)
+  layer = lambda path, v: v[...][0] if str(path[0]).endswith("blocks") else v[...]
+  experts = lambda path: str(path[-1]).split("_")[-1].startswith("E")  # w_in_ED2F, w_out_EFD
+  part = max(max(layer(path, v).nbytes for path, v in flat if not experts(path)),
+             *(min(layer(path, v).nbytes, max(part_bytes, layer(path, v)[0].nbytes))
+               for path, v in flat if experts(path)))
+  model_bytes = sum(v[...].nbytes for _, v in flat)
+  assert model_bytes > 20 * part  # the bounds below are far from holding the model
+  return config, model, model_bytes, part
+
+
+def _assert_read_back(directory: pathlib.Path, config, model) -> None:
+  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
+  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  back = read_variables(directory, abstract, jax.tree.map(lambda _: one_device, abstract))
+  for (path, want), (_, got) in zip(nnx.to_flat_state(model), nnx.to_flat_state(back)):
+    np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), err_msg=str(path))
+
+
 @pytest.mark.parametrize("part_bytes", [1 << 30, 200_000])
 def test_import_hf_holds_a_few_parts_never_the_model(tmp_path, part_bytes):
   """import-hf makes and writes one part of one variable at a time (a layer; with a small
@@ -323,21 +351,8 @@ def test_import_hf_holds_a_few_parts_never_the_model(tmp_path, part_bytes):
   writes is the model, value for value."""
   import tracemalloc
   from jmoe.checkpoint.hf import export_hf, import_hf
-  config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", [
-      "model.num_layers=16", "model.d_model=128", "moe.num_experts=16", "moe.d_ff_expert=128",
-      "model.vocab_size=512"])
-  model = nnx.state(model_factory(config)())
-  save_model(tmp_path / "ckpt", model, config)
+  config, model, model_bytes, part = _conversion_model(tmp_path, part_bytes)
   export_hf(tmp_path / "ckpt", tmp_path / "hf")
-  flat = nnx.to_flat_state(model)
-  layer = lambda path, v: v[...][0] if str(path[0]).endswith("blocks") else v[...]
-  experts = lambda path: str(path[-1]).split("_")[-1].startswith("E")  # w_in_ED2F, w_out_EFD
-  largest_layer = max(layer(path, v).nbytes for path, v in flat)
-  part = max(max(layer(path, v).nbytes for path, v in flat if not experts(path)),
-             *(min(layer(path, v).nbytes, max(part_bytes, layer(path, v)[0].nbytes))
-               for path, v in flat if experts(path)))
-  model_bytes = sum(v[...].nbytes for _, v in flat)
-  assert model_bytes > 20 * part  # the bound below is far from holding the model
   tracemalloc.start()
   try:
     import_hf(tmp_path / "hf", tmp_path / "back", part_bytes=part_bytes)
@@ -345,10 +360,45 @@ def test_import_hf_holds_a_few_parts_never_the_model(tmp_path, part_bytes):
   finally:
     tracemalloc.stop()
   assert peak < 5 * part, (peak, part, model_bytes)
+  largest_layer = max(v[...][0].nbytes for path, v in nnx.to_flat_state(model)
+                      if str(path[0]).endswith("blocks"))
   if part_bytes < largest_layer:  # the experts' layers were made in blocks
     assert peak < largest_layer, (peak, largest_layer)
+  _assert_read_back(tmp_path / "back", config, model)
+
+
+@pytest.mark.parametrize("part_bytes", [1 << 30, 200_000])
+def test_export_hf_reads_a_part_at_a_time_never_the_model(tmp_path, monkeypatch, part_bytes):
+  """export-hf reads one part of one variable at a time from the checkpoint (whose chunks each
+  hold one layer, of one expert for the experts' weights, so a part's read touches only its own
+  chunks) and holds at most one safetensors file besides: no read is larger than a part, each
+  part is read once, and the memory at its peak (tracemalloc: numpy arrays and Python objects;
+  not tensorstore's reads, which the first check bounds) is the file being filled and a few
+  parts. What it writes imports back to the model, value for value."""
+  import tracemalloc
+  from jmoe.checkpoint.hf import export_hf, import_hf
+  from jmoe.checkpoint.params import open_variables
+  from jmoe.checkpoint.streamed import StoredArray
+  config, model, model_bytes, part = _conversion_model(tmp_path, part_bytes)
   abstract = nnx.state(nnx.eval_shape(model_factory(config)))
-  one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  back = read_variables(tmp_path / "back", abstract, jax.tree.map(lambda _: one_device, abstract))
-  for (path, want), (_, got) in zip(flat, nnx.to_flat_state(back)):
-    np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), err_msg=str(path))
+  stored = jax.tree_util.tree_flatten_with_path(open_variables(tmp_path / "ckpt", abstract))[0]
+  for path, leaf in stored:
+    names = [str(key.key) for key in path]
+    lead = (names[0].endswith("blocks")) + (names[-1] in ("w_in_ED2F", "w_out_EFD"))
+    chunk = leaf.store.chunk_layout.read_chunk.shape
+    assert chunk == (1,) * lead + leaf.shape[lead:], (names, chunk)
+  reads, read = [], StoredArray.read
+  monkeypatch.setattr(StoredArray, "read", lambda self, region=(): reads.append(
+      read(self, region)) or reads[-1])
+  shard_bytes = part
+  tracemalloc.start()
+  try:
+    export_hf(tmp_path / "ckpt", tmp_path / "hf", shard_bytes=shard_bytes, part_bytes=part_bytes)
+    _, peak = tracemalloc.get_traced_memory()
+  finally:
+    tracemalloc.stop()
+  assert max(r.nbytes for r in reads) <= part
+  assert sum(r.nbytes for r in reads) == model_bytes  # each part read once
+  assert peak < shard_bytes + 5 * part, (peak, part, model_bytes)
+  import_hf(tmp_path / "hf", tmp_path / "back")
+  _assert_read_back(tmp_path / "back", config, model)

@@ -6,6 +6,7 @@ own detection."""
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -103,9 +104,9 @@ def in_two_processes(args: list[str], env: dict | None = None) -> list[tuple[int
 
 
 def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp_path):
-  """export-hf with the model spread over 2 processes x 4 devices (and over this process's 8)
-  writes the tensors one device writes; import-hf in 2 processes, each writing its share of the
-  layers, writes the checkpoint the model came from, value for value."""
+  """export-hf in 2 processes, each reading and writing its share of the parts, writes the
+  tensors (and config.json) one process writes; import-hf in 2 processes, each writing its share
+  of the layers, writes the checkpoint the model came from, value for value."""
   from flax import nnx
   from jmoe.checkpoint.hf import export_hf
   from jmoe.checkpoint.hf_files import SafetensorsReader
@@ -115,28 +116,23 @@ def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp
                                                                  "moe.d_ff_expert=16"])
   model = nnx.state(model_factory(config)())
   save_model(tmp_path / "ckpt", model, config)
-  export_hf(tmp_path / "ckpt", tmp_path / "eight", shard_bytes=60_000)
-  shard = ["--shard-gb", str(60_000 / 2**30)]
-  one = subprocess.run([sys.executable, "-m", "jmoe.convert", "export-hf", "--checkpoint",
-                        str(tmp_path / "ckpt"), "--out", str(tmp_path / "one"), *shard],
-                       cwd=ROOT, capture_output=True, text=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu",
-                                XLA_FLAGS="--xla_force_host_platform_device_count=1"))
-  assert one.returncode == 0, one.stderr[-2000:]
+  export_hf(tmp_path / "ckpt", tmp_path / "one", shard_bytes=60_000)
   two = in_two_processes(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out",
-                          str(tmp_path / "two"), *shard])
+                          str(tmp_path / "two"), "--shard-gb", str(60_000 / 2**30)])
   for code, _, err in two:
     assert code == 0, err[-3000:]
-  assert "wrote" in two[0][1] and "wrote" not in two[1][1]  # the first process writes
+  assert "wrote" in two[0][1] and "wrote" not in two[1][1]  # the first process reports
+  shares = re.search(r"by process: (\d+) (\d+)\n", two[0][2])  # each wrote its share
+  assert shares and min(int(shares[1]), int(shares[2])) > 0, two[0][2][-2000:]
   reference = SafetensorsReader(tmp_path / "one")
+  other = SafetensorsReader(tmp_path / "two")
   assert len(set(reference.weight_map.values())) > 1  # several shards, with an index
-  for name in ("eight", "two"):
-    other = SafetensorsReader(tmp_path / name)
-    assert set(other.weight_map) == set(reference.weight_map)
-    for key in reference.weight_map:
-      np.testing.assert_array_equal(other(key), reference(key), err_msg=f"{name}: {key}")
-    assert (tmp_path / name / "config.json").read_text() == (tmp_path / "one" /
-                                                             "config.json").read_text()
+  assert set(other.weight_map) == set(reference.weight_map)
+  for key in reference.weight_map:
+    np.testing.assert_array_equal(other(key), reference(key), err_msg=key)
+  assert (tmp_path / "two" / "config.json").read_text() == (tmp_path / "one" /
+                                                            "config.json").read_text()
+  assert not list((tmp_path / "two").glob(".parts-*"))
   for code, _, err in in_two_processes(["import-hf", "--hf-dir", str(tmp_path / "two"), "--out",
                                         str(tmp_path / "back")]):
     assert code == 0, err[-3000:]

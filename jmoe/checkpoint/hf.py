@@ -1,32 +1,36 @@
 """Hugging Face checkpoints in and out: local directories of config.json + safetensors.
 
-Import goes one part of one variable at a time (a layer; a block of a layer's experts): it reads
-that part's tensors from the (possibly sharded) safetensors files when the checkpoint writer asks
-for it (jmoe/checkpoint/streamed.py), so it never holds the model in host memory. Export reads the
-checkpoint onto the devices, brings one layer of one variable at a time to the host, and flushes
-a safetensors shard as soon as it is full. Every jmoe parameter has one mapping
+Both directions go one part of one variable at a time (a layer; a block of a layer's experts), on
+the host, so neither holds the model in memory nor needs a device. Import reads a part's tensors
+from the (possibly sharded) safetensors files when the checkpoint writer asks for it
+(jmoe/checkpoint/streamed.py); export reads a part from the checkpoint's chunks and adds its
+tensors to a safetensors file, written as soon as it is full. Every jmoe parameter has one mapping
 (hf_mappings.py); a tensor that is missing is an error naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
+import math
 import pathlib
+from typing import Callable
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
-                                      read_json, refuse_to_overwrite, written_in_place)
+                                      name_shards, read_json, refuse_to_overwrite,
+                                      written_in_place)
 from jmoe.checkpoint.hf_mappings import EXPERT_AXIS, mtp_prefixes, walk
-from jmoe.checkpoint.params import read_config, read_variables
-from jmoe.checkpoint.streamed import Region, StreamedArray, part_shape, save_streamed
+from jmoe.checkpoint.params import open_variables, read_config
+from jmoe.checkpoint.streamed import (Region, StreamedArray, part_shape, raise_everywhere,
+                                      save_streamed)
 from jmoe.config import (Config, ConfigError, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.model.factory import model_factory
@@ -36,7 +40,7 @@ from jmoe.ops.params import DTYPES
 log = logging.getLogger("jmoe")
 
 
-PART_BYTES = 1 << 30  # the most bytes of a block of experts that import-hf makes at once
+PART_BYTES = 1 << 30  # the most bytes of a block of experts that conversion makes at once
 
 
 def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
@@ -71,8 +75,8 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   _check_mtp_copies(read, config, family, hf_dir)
   layers: dict[tuple, list] = {}  # a variable's (HF prefix, to_jmoe) for each layer, or the one
   stacked_paths = set()
-  for path, _, layer, prefix, (to_jmoe, _) in walk(config, family, params, interleaved):
-    layers.setdefault(path, []).append((prefix, to_jmoe))
+  for path, _, layer, prefix, mapping in walk(config, family, params, interleaved):
+    layers.setdefault(path, []).append((prefix, mapping.to_jmoe))
     if layer is not None:
       stacked_paths.add(path)
 
@@ -138,88 +142,128 @@ def _warn_unused(read: SafetensorsReader, hf_dir: pathlib.Path) -> None:
 
 def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
               shard_bytes: int = 4 << 30, dtype: str | None = None,
-              rope_interleave: bool | None = None, overwrite: bool = False) -> pathlib.Path:
+              rope_interleave: bool | None = None, overwrite: bool = False,
+              part_bytes: int = PART_BYTES) -> pathlib.Path:
   """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory
-  (`out` must be empty or new, unless `overwrite`).
+  (`out` must be empty or new, unless `overwrite`). One part of one variable is read from the
+  checkpoint at a time, on the host (a layer; of the routed experts' weights, a block of experts
+  within `part_bytes`), converted and added to the safetensors file being filled: the host holds
+  that file (at most `shard_bytes`) and a part or two, never the model, and no device is used.
+  Run in several processes, each reads and writes its share of the parts.
 
   `rope_interleave` (DeepSeek-V3 only) picks the rotary weight layout; default: interleaved, as
   DeepSeek's own checkpoints are.
   """
   out = pathlib.Path(out).absolute()
   refuse_to_overwrite(out, overwrite)  # (every process sees the same answer)
-  if jax.process_index() != 0:  # the others hold their part of the model and gather with it
-    _export(checkpoint, None, shard_bytes, dtype, rope_interleave)
-    return out
-  with written_in_place(out) as tmp:
-    _export(checkpoint, tmp, shard_bytes, dtype, rope_interleave)
+  with written_in_place(out, every_process=True) as tmp:
+    _export(pathlib.Path(checkpoint), tmp, shard_bytes, dtype, rope_interleave, part_bytes)
   return out
 
 
-def _spread(abstract: jax.ShapeDtypeStruct, mesh: Mesh) -> NamedSharding:
-  """A variable split over every device along its largest axis that they divide (else whole on
-  each): no device, and no host, holds the whole model."""
-  axes = [i for i, n in enumerate(abstract.shape) if n % mesh.size == 0]
-  if not axes or mesh.size == 1:
-    return NamedSharding(mesh, P())
-  axis = max(axes, key=lambda i: abstract.shape[i])
-  return NamedSharding(mesh, P(*[None] * axis, "devices"))
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+  """Tensors that export makes at once: one part of one variable, converted."""
+  nbytes: int  # of the tensors it makes
+  make: Callable[[], dict[str, np.ndarray]]
 
 
-def _host(x: jax.Array) -> np.ndarray:
-  """A (slice of a) spread variable, whole, on this host (a collective with several processes)."""
-  if jax.process_count() == 1:
-    return np.asarray(jax.device_get(x))
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _export(checkpoint, out: pathlib.Path | None, shard_bytes: int, dtype: str | None,
-            rope_interleave: bool | None) -> None:
-  """Writes the Hugging Face files into `out` (None: a process other than the first, which only
-  takes part in reading and gathering). The model is spread over every device of every process;
-  one layer of one variable at a time comes to the host, with a LoRA run's adapters folded in."""
+def _export(checkpoint: pathlib.Path, out: pathlib.Path, shard_bytes: int, dtype: str | None,
+            rope_interleave: bool | None, part_bytes: int) -> None:
+  """Writes the Hugging Face files into `out`: each process its share of the pieces (into files
+  of its own), then the first names them all and writes the index and config.json."""
   config = read_config(checkpoint)
   family = check_exportable(config.model, config.moe)
-  if config.model.mtp_depth and not family.mtp_layers:
+  if config.model.mtp_depth and not family.mtp_layers and jax.process_index() == 0:
     log.warning("the %d multi-token prediction module(s) are not exported: transformers' "
                 "%s has none", config.model.mtp_depth, family.architecture)
-  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
-  mesh = Mesh(np.array(jax.devices()), ("devices",))
-  params = read_variables(checkpoint, abstract, jax.tree.map(lambda a: _spread(a, mesh), abstract))
-  np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
-  writer = ShardedWriter(out, shard_bytes) if out is not None else None
-  add = (lambda name, tensor: writer.add(name, tensor)) if writer else (lambda *_: None)
   hf = family.to_hf(config.model, config.moe)
   if "rope_interleave" in hf and rope_interleave is not None:
     hf["rope_interleave"] = rope_interleave
-  interleaved = bool(hf.get("rope_interleave", False))
-  take = lambda variable, layer: _host(variable[...] if layer is None else variable[...][layer])
-  for path, variable, layer, prefix, (_, to_hf) in walk(config, family, params, interleaved):
-    value = take(variable, layer)
-    adapter = _adapter_of(params, path)
-    if adapter is not None:
-      value = fold(value, take(adapter["a"], layer), take(adapter["b"], layer), config.lora.scale)
+  np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
+  abstract = nnx.state(nnx.eval_shape(model_factory(config)))
+  pieces = _pieces(config, family, abstract, open_variables(checkpoint, abstract),
+                   bool(hf.get("rope_interleave", False)), np_dtype, part_bytes, checkpoint)
+  index, count = jax.process_index(), jax.process_count()
+  error = None
+  try:
+    writer = ShardedWriter(out, shard_bytes, tag=f"{index:05d}")
+    for piece in _share(pieces, count)[index]:
+      for name, tensor in piece.make().items():
+        writer.add(name, tensor)
+    writer.close()
+  except Exception as e:  # noqa: BLE001 - raised below, once every process knows
+    error = e
+  raise_everywhere(error)  # (a collective: every process has written its files)
+  if index == 0:
+    files, tensors = name_shards(out, [f"{i:05d}" for i in range(count)])
+    log.info("%d tensors in %d safetensors file(s), by process: %s", sum(tensors), files,
+             " ".join(map(str, tensors)))
+    hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
+    (out / "config.json").write_text(json.dumps(hf, indent=2))
+    copy_tokenizer_files(checkpoint, out)
+
+
+def _share(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
+  """The pieces of each of `count` processes: each piece, in order, to the one with the fewest
+  bytes so far."""
+  shares, load = [[] for _ in range(count)], [0] * count
+  for piece in pieces:
+    i = load.index(min(load))
+    shares[i].append(piece)
+    load[i] += piece.nbytes
+  return shares
+
+
+def _pieces(config: Config, family: Family, abstract: nnx.State, stored: dict,
+            interleaved: bool, np_dtype: np.dtype, part_bytes: int,
+            checkpoint: pathlib.Path) -> list[_Piece]:
+  """Every piece of the export, in the mapping walk's order, then the prediction modules' copies
+  of the embedding and head."""
+  flat = {tuple(str(key.key) for key in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+
+  def read(path: tuple[str, ...], region: tuple) -> np.ndarray:
+    try:
+      return flat[path].read(region)
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+      raise ConfigError(f"{checkpoint}: {'.'.join(path)} {region or ''} cannot be read "
+                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged") \
+          from None
+
+  def make(path, region, mapping, block, prefix, out_dtype) -> dict[str, np.ndarray]:
+    value = read(path, region)
+    lora = path[:-1] + ("lora", path[-1])
+    if lora + ("a",) in flat:  # a LoRA run's adapters, folded into their weight
+      value = fold(value, read(lora + ("a",), region), read(lora + ("b",), region),
+                   config.lora.scale)
+    tensors = mapping.to_hf(value) if block is None else mapping.to_hf(value, experts=block)
+    return {prefix + name: np.ascontiguousarray(t, dtype=out_dtype)
+            for name, t in tensors.items()}
+
+  pieces = []
+  for path, variable, layer, prefix, mapping in walk(config, family, abstract, interleaved):
     # Parameters in the asked dtype; other state (DeepSeek's selection bias) stays float32.
     out_dtype = np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
-    for name, tensor in to_hf(value).items():
-      add(prefix + name, tensor.astype(out_dtype))
+    stacked = layer is not None
+    axis = int(stacked) if mapping.per_expert else None
+    shape = part_shape(variable.shape, stacked, axis, flat[path].dtype.itemsize, part_bytes)
+    blocks = [None] if axis is None else [
+        slice(i, i + shape[axis]) for i in range(0, variable.shape[axis], shape[axis])]
+    for block in blocks:
+      region = ((layer,) if stacked else ()) + ((block,) if block else ())
+      pieces.append(_Piece(math.prod(shape) * out_dtype.itemsize, functools.partial(
+          make, path, region, mapping, block, prefix, out_dtype)))
+  table = ("embed", "table")
+  head = ("head_DV",) if ("head_DV",) in flat else None
+
+  def copies(prefix: str) -> dict[str, np.ndarray]:
+    embedding = read(table, ())
+    return {prefix + "embed_tokens.weight": np.ascontiguousarray(embedding, dtype=np_dtype),
+            prefix + "shared_head.head.weight": np.ascontiguousarray(
+                read(head, ()).T if head else embedding, dtype=np_dtype)}
+
   for prefix in mtp_prefixes(config, family):  # the copies of the shared embedding and head
-    table = take(params["embed"]["table"], None)
-    head = table if params.get("head_DV") is None else take(params["head_DV"], None).T
-    add(prefix + "embed_tokens.weight", table.astype(np_dtype))
-    add(prefix + "shared_head.head.weight", head.astype(np_dtype))
-  if writer is None:
-    return
-  writer.close()
-  hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
-  (out / "config.json").write_text(json.dumps(hf, indent=2))
-  copy_tokenizer_files(pathlib.Path(checkpoint), out)
-
-
-def _adapter_of(params: nnx.State, path: tuple[str, ...]):
-  """The LoRA factors of the weight at `path`, or None."""
-  node = params
-  for key in path[:-1] + ("lora",):
-    node = node.get(key) if hasattr(node, "get") else None
-    if node is None:
-      return None
-  return node.get(path[-1])
+    nbytes = 2 * math.prod(flat[table].shape) * np_dtype.itemsize
+    pieces.append(_Piece(nbytes, functools.partial(copies, prefix)))
+  return pieces

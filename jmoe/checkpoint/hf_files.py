@@ -160,10 +160,12 @@ def written_in_place(out: pathlib.Path, every_process: bool = False) -> Iterator
 
 
 class ShardedWriter:
-  """Writes tensors into model-0000i-of-0000n.safetensors files of at most `shard_bytes`."""
+  """Writes tensors into safetensors files of at most `shard_bytes`, under names of its own
+  (`tag`: one writer per process); `name_shards` then names every writer's files as Hugging Face
+  does and writes the index. Holds at most one file's tensors."""
 
-  def __init__(self, directory: pathlib.Path, shard_bytes: int):
-    self.directory, self.shard_bytes = directory, shard_bytes
+  def __init__(self, directory: pathlib.Path, shard_bytes: int, tag: str = "0"):
+    self.directory, self.shard_bytes, self.tag = directory, shard_bytes, tag
     self.pending: dict[str, np.ndarray] = {}
     self.written: list[tuple[str, list[str]]] = []  # (temporary file name, tensor names)
     self.total = 0
@@ -176,22 +178,40 @@ class ShardedWriter:
     self.total += tensor.nbytes
 
   def _flush(self) -> None:
-    name = f"part-{len(self.written):05d}.safetensors"
+    name = f"part-{self.tag}-{len(self.written):05d}.safetensors"
     save_file(self.pending, self.directory / name, metadata={"format": "pt"})
     self.written.append((name, list(self.pending)))
     self.pending = {}
 
   def close(self) -> None:
+    """Writes what is pending and the list of this writer's files (for `name_shards`)."""
     if self.pending:
       self._flush()
-    n = len(self.written)
-    if n == 1:
-      (self.directory / self.written[0][0]).rename(self.directory / "model.safetensors")
-      return
-    weight_map = {}
-    for i, (tmp, names) in enumerate(self.written):
-      final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-      (self.directory / tmp).rename(self.directory / final)
-      weight_map.update({k: final for k in names})
-    (self.directory / INDEX).write_text(json.dumps(
-        {"metadata": {"total_size": self.total}, "weight_map": weight_map}, indent=2))
+    (self.directory / f".parts-{self.tag}.json").write_text(json.dumps(
+        {"files": self.written, "bytes": self.total}))
+
+
+def name_shards(directory: pathlib.Path, tags: list[str]) -> tuple[int, list[int]]:
+  """Renames the files of the closed writers `tags` (in that order) to
+  model-0000i-of-0000n.safetensors, or model.safetensors if there is one, and writes the index.
+  Returns the number of files and each writer's number of tensors."""
+  written, total, counts = [], 0, []
+  for tag in tags:
+    manifest = directory / f".parts-{tag}.json"
+    parts = json.loads(manifest.read_text())
+    written += parts["files"]
+    total += parts["bytes"]
+    counts.append(sum(len(names) for _, names in parts["files"]))
+    manifest.unlink()
+  n = len(written)
+  if n == 1:
+    (directory / written[0][0]).rename(directory / "model.safetensors")
+    return n, counts
+  weight_map = {}
+  for i, (tmp, names) in enumerate(written):
+    final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    (directory / tmp).rename(directory / final)
+    weight_map.update({k: final for k in names})
+  (directory / INDEX).write_text(json.dumps(
+      {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+  return n, counts

@@ -7,7 +7,7 @@ family (hf_families.py). `walk` goes over a model's parameters with the mapping 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 from flax import nnx
@@ -20,6 +20,14 @@ from jmoe.config import Config, ConfigError
 Get = Callable[..., np.ndarray]  # (name[, rows: a slice of the leading axis]) -> the tensor
 
 
+class Mapping(NamedTuple):
+  to_jmoe: Callable[..., np.ndarray]  # (get, shape) -> one layer of the jmoe parameter
+  to_hf: Callable[..., dict[str, np.ndarray]]  # (one layer) -> {name: tensor}
+  # The tensors are each one expert's: both directions take a block of experts (`experts=`, a
+  # slice of the expert axis), and export writes such a block at a time.
+  per_expert: bool = False
+
+
 def _linear(name: str, in_dims: int):
   """A PyTorch Linear weight [out, in] <-> a jmoe weight whose first `in_dims` axes are `in`."""
   def to_jmoe(get: Get, shape) -> np.ndarray:
@@ -28,16 +36,16 @@ def _linear(name: str, in_dims: int):
   def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
     return {name: a.reshape(math.prod(a.shape[:in_dims]), -1).T}
 
-  return to_jmoe, to_hf
+  return Mapping(to_jmoe, to_hf)
 
 
 def _same(name: str):
-  return (lambda get, shape: get(name).reshape(shape)), (lambda a: {name: a})
+  return Mapping(lambda get, shape: get(name).reshape(shape), lambda a: {name: a})
 
 
 def _flat(name: str):
   """A vector in Hugging Face (e.g. a per-head bias [H * A]) <-> a jmoe array of any shape."""
-  return (lambda get, shape: get(name).reshape(shape)), (lambda a: {name: a.reshape(-1)})
+  return Mapping(lambda get, shape: get(name).reshape(shape), lambda a: {name: a.reshape(-1)})
 
 
 def _gate_up(gate: str, up: str):
@@ -48,40 +56,39 @@ def _gate_up(gate: str, up: str):
   def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
     return {gate: a[:, 0].T, up: a[:, 1].T}
 
-  return to_jmoe, to_hf
+  return Mapping(to_jmoe, to_hf)
 
 
-def _per_expert(num_experts: int, make: Callable[[str], tuple]):
+def _per_expert(num_experts: int, make: Callable[[str], Mapping]):
   """A mapping applied to each expert e (names with `{e}`), stacked along a leading expert axis
-  (on import, of the block of `experts` asked for)."""
+  (of the block of `experts` asked for)."""
   def to_jmoe(get: Get, shape, experts: slice = slice(None)) -> np.ndarray:
     out = None
     for i, e in enumerate(range(num_experts)[experts]):  # filled in place: one copy in memory
-      one = make(str(e))[0](get, shape[1:])
+      one = make(str(e)).to_jmoe(get, shape[1:])
       if out is None:
         out = np.empty((len(range(num_experts)[experts]), *one.shape), one.dtype)
       out[i] = one
     return out
 
-  def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
-    return {k: v for e in range(num_experts) for k, v in make(str(e))[1](a[e]).items()}
+  def to_hf(a: np.ndarray, experts: slice = slice(None)) -> dict[str, np.ndarray]:
+    return {k: v for i, e in enumerate(range(num_experts)[experts])
+            for k, v in make(str(e)).to_hf(a[i]).items()}
 
-  return to_jmoe, to_hf
+  return Mapping(to_jmoe, to_hf, per_expert=True)
 
 
 def _expert_rows(mapping):
   """A mapping of tensors whose leading axis is the experts, made (on import) for a block of
   `experts`: only their rows are read."""
-  to_jmoe, to_hf = mapping
-  return (lambda get, shape, experts=slice(None): to_jmoe(lambda name: get(name, experts), shape),
-          to_hf)
+  return Mapping(lambda get, shape, experts=slice(None): mapping.to_jmoe(
+      lambda name: get(name, experts), shape), mapping.to_hf)
 
 
 def _rope_interleaved(mapping, start: int, size: int):
   """Checkpoints that rotate interleaved pairs (x0, x1), (x2, x3)...: the `size` rotary entries
   from `start` on the last axis are reordered into jmoe's half-split layout, and back on export.
   Queries and keys are reordered alike, so attention scores do not change."""
-  to_jmoe, to_hf = mapping
   order = np.concatenate([np.arange(0, size, 2), np.arange(1, size, 2)]) + start
 
   def permute(a, index):
@@ -89,8 +96,8 @@ def _rope_interleaved(mapping, start: int, size: int):
     out[..., start:start + size] = a[..., index]
     return out
 
-  return ((lambda get, shape: permute(to_jmoe(get, shape), order)),
-          (lambda a: to_hf(permute(a, np.argsort(order) + start))))
+  return Mapping(lambda get, shape: permute(mapping.to_jmoe(get, shape), order),
+                 lambda a: mapping.to_hf(permute(a, np.argsort(order) + start)))
 
 
 def _interleaved_pairs(name: str):
@@ -102,11 +109,11 @@ def _interleaved_pairs(name: str):
   def to_hf(a: np.ndarray) -> dict[str, np.ndarray]:
     return {name: np.swapaxes(a, -1, -2).reshape(*a.shape[:-2], -1)}
 
-  return to_jmoe, to_hf
+  return Mapping(to_jmoe, to_hf)
 
 
 def layer_mappings(family: Family, config: Config, interleaved: bool = False
-                   ) -> dict[tuple[str, ...], tuple]:
+                   ) -> dict[tuple[str, ...], Mapping]:
   """Mappings for one transformer layer's parameters, by their path inside the block."""
   num_experts, mla = config.moe.num_experts, config.model.mla
   rope = (lambda mapping, start: _rope_interleaved(mapping, start, mla.qk_rope_head_dim)

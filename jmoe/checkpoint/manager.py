@@ -16,6 +16,7 @@ previous one is used.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import pathlib
 import shutil
@@ -25,11 +26,32 @@ from typing import Any, Iterator
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.config import ConfigError
 
 log = logging.getLogger("jmoe")
+
+
+# Logical axes whose indices are stored one per chunk when they lead an array (a stacked
+# variable's layers, then its experts): a reader of one layer, or of a block of experts, reads
+# only their chunks (export-hf reads a checkpoint so).
+CHUNKED_AXES = ("layers", "stage_layers", "expert")
+
+
+def part_save_args(tree: Any) -> Any:
+  """Orbax save args for `tree` (model or train state): an nnx Variable's leading layer and expert
+  axes (its `axes` metadata) are cut one index per chunk; other arrays are saved as Orbax
+  chooses."""
+  def one(leaf):
+    if not isinstance(leaf, nnx.Variable):
+      return ocp.SaveArgs()
+    axes = leaf.get_metadata().get("axes") or ()
+    lead = len(list(itertools.takewhile(lambda name: name in CHUNKED_AXES, axes)))
+    return leaf.replace(ocp.SaveArgs(shard_axes=tuple(range(lead))))
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -114,7 +136,8 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data or {})), force=True)
+        state=ocp.args.StandardSave(state, save_args=part_save_args(state)),
+        data=ocp.args.JsonSave(data or {})), force=True)
 
   def restore(self, step: int, abstract_state: Any, shardings: Any
               ) -> tuple[Any, dict[str, Any]]:

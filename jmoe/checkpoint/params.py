@@ -22,8 +22,9 @@ import orbax.checkpoint as ocp
 import numpy as np
 from flax import nnx
 
-from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, quiet_orbax,
-                                     require_complete, with_shardings)
+from jmoe.checkpoint.streamed import OPENED, open_checkpointer
+from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
+                                     quiet_orbax, require_complete, with_shardings)
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
@@ -43,8 +44,8 @@ def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) 
                  if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards), default=0)
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=_window_gb(largest))
   with ocp.Checkpointer(handler) as checkpointer:
-    checkpointer.save(directory / "model", args=ocp.args.StandardSave(nnx.to_pure_dict(state)),
-                      force=True)
+    checkpointer.save(directory / "model", args=ocp.args.StandardSave(
+        nnx.to_pure_dict(state), save_args=nnx.to_pure_dict(part_save_args(state))), force=True)
   (directory / "config.json").write_text(json.dumps(to_dict(config), indent=2))
 
 
@@ -106,58 +107,84 @@ def read_variables(directory: str | pathlib.Path, abstract: nnx.State, shardings
                    ) -> nnx.State:
   """The model variables saved in `directory` (a model checkpoint or a training workdir), shaped
   like `abstract` and placed by `shardings`."""
-  directory = pathlib.Path(directory).absolute()
+  state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
+  nnx.replace_by_pure_dict(state, _read(pathlib.Path(directory).absolute(), abstract, shardings))
+  return state
+
+
+def open_variables(directory: str | pathlib.Path, abstract: nnx.State) -> dict[str, Any]:
+  """The model variables saved in `directory`, as `read_variables` finds them, opened on the host
+  and not read: a pure dict (nnx.to_pure_dict's nesting) of `StoredArray`s, each read a region
+  (a layer, a block of experts) at a time."""
+  return _read(pathlib.Path(directory).absolute(), abstract, None)
+
+
+def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
+          ) -> dict[str, Any]:
+  """The pure dict of the model variables in `directory`: arrays placed by `shardings`, or
+  opened `StoredArray`s where `shardings` is None."""
   if not directory.is_dir():
     raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
                       f"import-hf` or `upcycle`) or a training --workdir")
   if (not (directory / "model").is_dir() and (directory / "config.json").is_file()
       and read_config(directory).lora.rank):
     return _read_adapted(directory, abstract, shardings)
-  target = with_shardings(nnx.to_pure_dict(abstract), nnx.to_pure_dict(shardings))
+  target = nnx.to_pure_dict(abstract)
+  if shardings is not None:
+    target = with_shardings(target, nnx.to_pure_dict(shardings))
   run_state = lambda: _run_state_paths(read_config(directory))
-  if (directory / "model").is_dir():
-    with ocp.StandardCheckpointer() as checkpointer:
-      _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
-             target, run_state())
-    largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
-                   for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
-                  default=0)
-    handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
-    with ocp.Checkpointer(handler) as checkpointer:
-      pure = checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
-  else:
-    pure = _read_newest_readable(directory, target, run_state)
-  state = jax.tree.map(lambda x: x, abstract)  # a copy to fill in
-  nnx.replace_by_pure_dict(state, pure)
-  return state
+  if not (directory / "model").is_dir():
+    return _read_newest_readable(directory, target, run_state, opened=shardings is None)
+  with ocp.StandardCheckpointer() as checkpointer:
+    _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
+           target, run_state())
+  if shardings is None:
+    with open_checkpointer() as checkpointer:
+      return checkpointer.restore(directory / "model", args=ocp.args.PyTreeRestore(
+          item=target, restore_args=jax.tree.map(lambda _: OPENED, target)))
+  largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
+                 for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
+                default=0)
+  handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
+  with ocp.Checkpointer(handler) as checkpointer:
+    return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
 
 
-def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State
-                  ) -> nnx.State:
+def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
+                  ) -> dict[str, Any]:
   """The model of a LoRA run's workdir: its frozen parameters from the model it was trained on
   (its checkpoint.load_params), the adapters and the other variables from its newest
   checkpoint, which holds nothing else."""
   config = read_config(workdir)
-  base = config.checkpoint.load_params
-  if not pathlib.Path(base).is_dir():
+  base = pathlib.Path(config.checkpoint.load_params).absolute()
+  if not base.is_dir():
     raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {base}, which is "
                       f"gone; the adapters need it: put it back there")
-  frozen = FROZEN_PARAMS
-  split = lambda tree, which: nnx.split_state(tree, which, ...)
-  model = read_variables(base, split(abstract, nnx.Not(LoRAParam))[0],
-                         split(shardings, nnx.Not(LoRAParam))[0])
-  own_abstract, own_shardings = split(abstract, frozen)[1], split(shardings, frozen)[1]
-  target = with_shardings(nnx.to_pure_dict(own_abstract), nnx.to_pure_dict(own_shardings))
-  pure = _read_newest_readable(workdir, target, lambda: _run_state_paths(config))
-  own = jax.tree.map(lambda x: x, own_abstract)
-  nnx.replace_by_pure_dict(own, pure)
-  return nnx.merge_state(split(model, frozen)[0], own)
+  split = lambda tree, which: None if tree is None else nnx.split_state(tree, which, ...)
+  part = lambda tree, which, i: None if tree is None else split(tree, which)[i]
+  model = _read(base, part(abstract, nnx.Not(LoRAParam), 0),
+                part(shardings, nnx.Not(LoRAParam), 0))
+  frozen = _subset(nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 0)), model)
+  target = nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 1))
+  if shardings is not None:
+    target = with_shardings(target, nnx.to_pure_dict(part(shardings, FROZEN_PARAMS, 1)))
+  own = _read_newest_readable(workdir, target, lambda: _run_state_paths(config),
+                              opened=shardings is None)
+  return merge_dicts(frozen, own)
+
+
+def _subset(target: dict, values: dict) -> dict:
+  """The entries of `values` at the paths of `target`."""
+  return {key: _subset(value, values[key]) if isinstance(value, dict) else values[key]
+          for key, value in target.items()}
 
 
 def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
-                          run_state: Callable[[], set[tuple[str, ...]]]) -> dict[str, Any]:
-  """The model variables of a training workdir's newest checkpoint that can be read; the
-  damaged ones after it are reported and passed over (not moved: reading changes nothing)."""
+                          run_state: Callable[[], set[tuple[str, ...]]], opened: bool
+                          ) -> dict[str, Any]:
+  """The model variables of a training workdir's newest checkpoint that can be read (`opened`:
+  as StoredArrays); the damaged ones after it are reported and passed over (not moved: reading
+  changes nothing)."""
   steps = []
   if (workdir / "checkpoints").is_dir():
     checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
@@ -170,7 +197,7 @@ def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
   for step in reversed(steps):
     path = workdir / "checkpoints" / str(step) / "state"
     try:
-      return _read_from_train_state(path, target, paths)
+      return _read_from_train_state(path, target, paths, opened)
     except ConfigError:
       raise
     except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
@@ -180,21 +207,23 @@ def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
 
 
 def _read_from_train_state(path: pathlib.Path, target: dict[str, Any],
-                           run_state: set[tuple[str, ...]]) -> dict[str, Any]:
+                           run_state: set[tuple[str, ...]], opened: bool) -> dict[str, Any]:
   """Only the model variables of a saved train state (its `params` and `rest`). There each
   variable is a {"value": array} node, as nnx flattens a Variable, and list indices are strings."""
   require_complete(path)
   with quiet_orbax(), ocp.PyTreeCheckpointer() as checkpointer:
     saved = checkpointer.metadata(path).item_metadata
-    saved_model = {}
-    for part in ("params", "rest"):
-      saved_model = merge_dicts(saved_model, _unwrap(dict(saved.get(part) or {})))
-    _check(path, saved_model, _string_keys(target), run_state)
-    split = {part: _in_saved_form(target, saved.get(part) or {}) for part in ("params", "rest")}
-    split = {part: tree for part, tree in split.items() if tree}  # an empty one reads as a leaf
-    restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
-        item=split, restore_args=ocp.checkpoint_utils.construct_restore_args(split),
-        partial_restore=True))
+  saved_model = {}
+  for part in ("params", "rest"):
+    saved_model = merge_dicts(saved_model, _unwrap(dict(saved.get(part) or {})))
+  _check(path, saved_model, _string_keys(target), run_state)
+  split = {part: _in_saved_form(target, saved.get(part) or {}) for part in ("params", "rest")}
+  split = {part: tree for part, tree in split.items() if tree}  # an empty one reads as a leaf
+  restore_args = (jax.tree.map(lambda _: OPENED, split) if opened
+                  else ocp.checkpoint_utils.construct_restore_args(split))
+  with quiet_orbax(), (open_checkpointer() if opened else ocp.PyTreeCheckpointer()) as reader:
+    restored = reader.restore(path, args=ocp.args.PyTreeRestore(
+        item=split, restore_args=restore_args, partial_restore=True))
   return _like(target, merge_dicts(_unwrap(restored.get("params", {})),
                                    _unwrap(restored.get("rest", {}))))
 

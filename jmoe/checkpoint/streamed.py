@@ -1,4 +1,4 @@
-"""Model checkpoints written part by part, each part made only when it is written.
+"""Model checkpoints written and read part by part, never whole in host memory.
 
 A `StreamedArray` stands for an array that is never whole in memory: it knows its shape, its dtype
 and the shape of its parts (a regular grid: one layer of a stacked variable, a block of experts),
@@ -7,6 +7,11 @@ writes the checkpoint `jmoe.checkpoint.params.save_model` writes (OCDBT; one zar
 so every reader of model checkpoints reads it. At most two parts are in memory at a time: one being
 made while the one before it is written. With several processes each makes and writes its share of
 the parts (part i on process i % process_count), and Orbax joins what they wrote.
+
+Reading is the other way round: a restore through `open_checkpointer` (with `OPENED` restore args)
+reads nothing, and each array comes back as a `StoredArray` from which a region (a layer, a block
+of experts) is read when asked. Only the chunks that hold the region are read: the checkpoints
+jmoe writes keep one layer (and one expert) per chunk (jmoe.checkpoint.manager.part_save_args).
 """
 
 from __future__ import annotations
@@ -110,6 +115,63 @@ class _StreamedHandler(ocp.type_handlers.NumpyHandler):
         await writing
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class StoredArray:
+  """A saved array, opened: `read(region)` reads the region (an index per leading axis, slices
+  allowed) from the files, as a numpy array."""
+
+  store: ts.TensorStore
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return tuple(self.store.shape)
+
+  @property
+  def dtype(self) -> np.dtype:
+    return np.dtype(self.store.dtype.numpy_dtype)
+
+  def read(self, region: tuple[int | slice, ...] = ()) -> np.ndarray:
+    return np.asarray(self.store[region].read().result())
+
+
+class _OpeningHandler(ocp.type_handlers.NumpyHandler):
+  """Orbax's handler for restoring an array as a `StoredArray`: opened, nothing read."""
+
+  async def deserialize(self, infos, args=None) -> list[StoredArray]:
+    opening = []
+    for info in infos:
+      await info.await_path_creation()
+      spec = ocp.type_handlers.get_json_tspec_read(
+          info, use_ocdbt=info.is_ocdbt_checkpoint,
+          raise_array_data_missing_error=info.raise_array_data_missing_error)
+      opening.append(ts.open(ts.Spec(spec), open=True, context=info.ts_context))
+    return [StoredArray(store) for store in await asyncio.gather(*opening)]
+
+
+OPENED = ocp.RestoreArgs(restore_type=StoredArray)  # restore args of an array to open
+
+
+def open_checkpointer() -> ocp.Checkpointer:
+  """An Orbax PyTree checkpointer that restores the arrays given `OPENED` as `StoredArray`s."""
+  registry = ocp.type_handlers.create_type_handler_registry(
+      (StoredArray, _OpeningHandler()), (jax.Array, ocp.type_handlers.ArrayHandler()))
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
+      type_handler_registry=registry)))
+
+
+def raise_everywhere(error: BaseException | None) -> None:
+  """Raises on every process when any of them failed (`error` where it is this process's; every
+  process calls this, so that none is left waiting for the others)."""
+  failed = error is not None
+  if ocp.multihost.process_count() > 1:
+    failed = bool(np.any(multihost_utils.process_allgather(np.int32(failed))))
+  if error is not None:
+    raise error
+  if failed:
+    raise ConfigError("another process could not read or write its part of the model; its "
+                      "message says what")
+
+
 def save_streamed(directory: str | pathlib.Path, tree: dict[str, Any], config: Config) -> None:
   """Writes a (nested dict) tree of `StreamedArray`s as a model checkpoint with `config`, in
   the layout `jmoe.checkpoint.params.save_model` writes; every process calls it."""
@@ -124,13 +186,6 @@ def save_streamed(directory: str | pathlib.Path, tree: dict[str, Any], config: C
       type_handler_registry=registry, enable_post_merge_validation=False))
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(directory / "model", args=ocp.args.PyTreeSave(tree), force=True)
-  failed = len(streamed.failed)
-  if ocp.multihost.process_count() > 1:
-    failed = multihost_utils.process_allgather(np.int32(failed))
-  if streamed.failed:
-    raise streamed.failed[0]
-  if np.any(failed):
-    raise ConfigError("another process could not read its part of the model; its message says "
-                      "which tensor")
+  raise_everywhere(streamed.failed[0] if streamed.failed else None)
   if ocp.multihost.process_index() == 0:
     (directory / "config.json").write_text(json.dumps(to_dict(config), indent=2))
