@@ -110,16 +110,26 @@ def largest_part_bytes(config_path: str, overrides: list[str]) -> int:
 
 
 def write_random(config_path: str, overrides: list[str], out: str) -> None:
-  """A random bf16 model of the config, written as a Hugging Face directory."""
+  """A model of the config with random bf16 values (normal, std 0.02; made a layer at a time, so
+  the host holds the model and one layer in float32), written as a Hugging Face directory."""
   import tempfile
   import jax
+  import numpy as np
   from flax import nnx
   from jmoe.checkpoint.hf import export_hf
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from jmoe.model.factory import model_factory
   config = load_config(config_path, [*overrides, "precision.params=bfloat16"])
-  state = jax.jit(lambda: nnx.state(model_factory(config)()))()
+  rng = np.random.default_rng(0)
+
+  def random(leaf: jax.ShapeDtypeStruct) -> jax.Array:
+    value = np.empty(leaf.shape, leaf.dtype)
+    for part in (range(leaf.shape[0]) if value.ndim > 2 else [...]):
+      value[part] = rng.standard_normal(value[part].shape, np.float32) * 0.02
+    return jax.device_put(value)
+
+  state = jax.tree.map(random, nnx.state(nnx.eval_shape(model_factory(config))))
   with tempfile.TemporaryDirectory(dir=pathlib.Path(out).parent) as tmp:
     save_model(pathlib.Path(tmp) / "ckpt", state, config)
     del state
