@@ -474,6 +474,25 @@ def test_a_deleted_manifest_is_set_aside_quietly_on_resume(workdir):
   shutil.rmtree(workdir / "corrupt_checkpoints")
 
 
+def test_export_of_damaged_array_data_names_the_array_and_writes_nothing(tmp_path):
+  """export-hf opens the arrays and reads them a part at a time as it writes: the largest data
+  file cut in half stops it with the array and part it could not read, leaving no output."""
+  from flax import nnx
+  from jmoe.checkpoint.params import save_model
+  from jmoe.config import load_config
+  from jmoe.model.factory import model_factory
+  config = load_config(QWEN, [])
+  save_model(tmp_path / "ckpt", nnx.state(model_factory(config)()), config)
+  data = max((tmp_path / "ckpt").rglob("d/*"), key=lambda p: p.stat().st_size)
+  data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+  before = hashes(tmp_path / "ckpt")
+  refused(convert("export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out",
+                  str(tmp_path / "hf")),
+          r"[\w.]+\[[\d:, ]*\] cannot be read .* the checkpoint is damaged")
+  assert hashes(tmp_path / "ckpt") == before and not (tmp_path / "hf").exists()
+  assert not list(tmp_path.glob(".hf.writing-*"))
+
+
 def test_a_damaged_config_json_is_named(workdir, tmp_path):
   (workdir / "config.json").write_text('{"model": ')
   refused(score("--checkpoint", str(workdir), "--tokens-file", str(tokens_file(tmp_path))),

@@ -227,9 +227,11 @@ def _pieces(config: Config, family: Family, abstract: nnx.State, stored: dict,
     try:
       return flat[path].read(region)
     except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
-      raise ConfigError(f"{checkpoint}: {'.'.join(path)} {region or ''} cannot be read "
-                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged") \
-          from None
+      where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
+      raise ConfigError(f"{checkpoint}: {'.'.join(path)}[{where}] cannot be read "
+                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged (of a "
+                        f"training workdir: move its newest checkpoints/<step> aside to export "
+                        f"the one before)") from None
 
   def make(path, region, mapping, block, prefix, out_dtype) -> dict[str, np.ndarray]:
     value = read(path, region)

@@ -138,16 +138,21 @@ def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | N
   with ocp.StandardCheckpointer() as checkpointer:
     _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
            target, run_state())
-  if shardings is None:
-    with open_checkpointer() as checkpointer:
-      return checkpointer.restore(directory / "model", args=ocp.args.PyTreeRestore(
-          item=target, restore_args=jax.tree.map(lambda _: OPENED, target)))
-  largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
-                 for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
-                default=0)
-  handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
-  with ocp.Checkpointer(handler) as checkpointer:
-    return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
+  try:
+    if shardings is None:
+      with open_checkpointer() as checkpointer:
+        return checkpointer.restore(directory / "model", args=ocp.args.PyTreeRestore(
+            item=target, restore_args=jax.tree.map(lambda _: OPENED, target)))
+    largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
+                   for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
+                  default=0)
+    handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
+    with ocp.Checkpointer(handler) as checkpointer:
+      return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
+  except Exception as e:  # noqa: BLE001 - Orbax's and tensorstore's errors for damaged files
+    raise ConfigError(f"{directory / 'model'} cannot be read ({type(e).__name__}: "
+                      f"{str(e)[:300]}); the checkpoint is damaged: convert or save it again"
+                      ) from None
 
 
 def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
