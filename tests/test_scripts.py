@@ -67,3 +67,32 @@ def test_conversion_memory_measures_both_commands(tmp_path):
   for step in ("import", "export"):
     assert record[f"{step}_peak_rss_gb"] >= record["jax_process_rss_gb"] > 0
   assert (tmp_path / "conv" / "back" / "model.safetensors").is_file()
+
+
+def test_exchange_bench_checks_and_times_the_fixed_exchange(tmp_path):
+  """On 4 simulated CPU devices: the fixed-size exchange delivers every copy (balanced, and with
+  70% of the copies to one device, in the rounds the blocks need) and is timed; XLA:CPU has no
+  ragged all-to-all, which the line says. The delivery check fails on a wrong delivery."""
+  for hot, rounds in ((None, 1), ("0.7", 3)):
+    done = subprocess.run([sys.executable, "scripts/exchange_bench.py", "--config",
+                           "configs/tiny_qwen3_moe.py", "--devices", "4", "--iters", "2",
+                           *(["--hot", hot] if hot else [])], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record["devices"] == 4 and record["rounds"] == rounds, record
+    assert record["fixed"]["ms"] > 0 and "not supported on cpu" in record["ragged"]
+  sys.path.insert(0, str(ROOT / "scripts"))
+  from exchange_bench import check_received, send_counts
+  counts = send_counts(6, 2, 0.5)  # 3 copies each way
+  x = np.arange(12 * 2, dtype=np.float32).reshape(12, 2)
+  # What the ragged exchange delivers: for each receiver, sender 0's rows, then sender 1's.
+  delivered = np.concatenate([x[0:3], x[6:9], x[3:6], x[9:12]])
+  check_received("ragged", delivered, x, counts, block=3)
+  delivered[4, 0] += 1
+  try:
+    check_received("ragged", delivered, x, counts, block=3)
+  except AssertionError as e:
+    assert "device 0 did not receive device 1's rows" in str(e)
+  else:
+    raise AssertionError("a wrong delivery passed the check")
