@@ -64,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.checkpoint.hf import export_hf, import_hf
     import jax
     from jmoe.distributed import initialize
+    if args.command != "upcycle":
+      # Conversion runs on the host: a GPU backend would only reserve its memory pool (most of
+      # each GPU, and 4 GB of host memory), next to a run that may be training there.
+      jax.config.update("jax_platforms", "cpu")
     if args.command == "upcycle":
       from jmoe.checkpoint.upcycle import upcycle
       from jmoe.config import load_config

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 
 import jax
 import numpy as np
@@ -372,9 +373,10 @@ def test_export_hf_reads_a_part_at_a_time_never_the_model(tmp_path, monkeypatch,
   """export-hf reads one part of one variable at a time from the checkpoint (whose chunks each
   hold one layer, of one expert for the experts' weights, so a part's read touches only its own
   chunks) and holds at most one safetensors file besides: no read is larger than a part, each
-  part is read once, and the memory at its peak (tracemalloc: numpy arrays and Python objects;
-  not tensorstore's reads, which the first check bounds) is the file being filled and a few
-  parts. What it writes imports back to the model, value for value."""
+  part is read once, the reads alive at once are at most the file being filled (whose tensors
+  may be views of them) and two parts, and the numpy memory at its peak (tracemalloc, which does
+  not see tensorstore's reads) is the file and a few parts. What it writes imports back to the
+  model, value for value."""
   import tracemalloc
   from jmoe.checkpoint.hf import export_hf, import_hf
   from jmoe.checkpoint.params import open_variables
@@ -387,9 +389,18 @@ def test_export_hf_reads_a_part_at_a_time_never_the_model(tmp_path, monkeypatch,
     lead = (names[0].endswith("blocks")) + (names[-1] in ("w_in_ED2F", "w_out_EFD"))
     chunk = leaf.store.chunk_layout.read_chunk.shape
     assert chunk == (1,) * lead + leaf.shape[lead:], (names, chunk)
-  reads, read = [], StoredArray.read
-  monkeypatch.setattr(StoredArray, "read", lambda self, region=(): reads.append(
-      read(self, region)) or reads[-1])
+  # tensorstore's reads are not numpy's allocations: counted here while they live.
+  reads, live, read = [], [0, 0], StoredArray.read
+
+  def counted(self, region=()):
+    value = read(self, region)
+    reads.append(value.nbytes)
+    live[0] += value.nbytes
+    live[1] = max(live)
+    weakref.finalize(value, lambda n=value.nbytes: live.__setitem__(0, live[0] - n))
+    return value
+
+  monkeypatch.setattr(StoredArray, "read", counted)
   shard_bytes = part
   tracemalloc.start()
   try:
@@ -397,8 +408,8 @@ def test_export_hf_reads_a_part_at_a_time_never_the_model(tmp_path, monkeypatch,
     _, peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
-  assert max(r.nbytes for r in reads) <= part
-  assert sum(r.nbytes for r in reads) == model_bytes  # each part read once
+  assert max(reads) <= part and sum(reads) == model_bytes  # each part read once, on its own
+  assert live[1] <= shard_bytes + 2 * part, (live[1], part)  # reads the file's tensors view
   assert peak < shard_bytes + 5 * part, (peak, part, model_bytes)
   import_hf(tmp_path / "hf", tmp_path / "back")
   _assert_read_back(tmp_path / "back", config, model)

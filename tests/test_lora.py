@@ -3,6 +3,7 @@ model whose copy stays out of the run's checkpoints, resume exactly, and shard l
 
 import dataclasses
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jmoe.parallel import make_layout
 from jmoe.train.loop import Trainer
 from test_parallel import MODEL, assert_matches, loss_and_grads
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 LORA = dict(rank=4, alpha=8.0)
 FAMILIES = {  # every weight kind an adapter can sit on
     "gqa_shared_expert": dict(moe=dict(num_shared_experts=1)),
@@ -151,3 +153,31 @@ def test_lora_config_is_checked():
       nnx.state(nnx.eval_shape(model_factory(config)), LoRAParam))}
   assert kinds == {"w_in_ED2F", "w_out_EFD"}
   assert json.dumps(dataclasses.asdict(config.lora))
+
+
+def test_a_checkpoint_with_adapters_exports_them_folded_everywhere(tmp_path):
+  """export-hf folds every adapter into its weight, the multi-token prediction modules' too
+  (their list index is a key of its own in the checkpoint): the files equal those of the model
+  with the adapters merged beforehand."""
+  from jmoe.checkpoint.hf import export_hf
+  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.config import load_config
+  config = load_config(ROOT / "configs" / "tiny_deepseek_v3.py",
+                       ["model.mtp_depth=1", "lora.rank=4", "lora.alpha=8.0",
+                        "checkpoint.load_params=unused"])
+  rng = np.random.default_rng(3)  # random values everywhere, adapters included (B != 0)
+  state = jax.tree.map(lambda a: rng.normal(0, 0.3, a.shape).astype(a.dtype),
+                       nnx.state(nnx.eval_shape(model_factory(config))))
+  assert any(str(path[0]) == "mtp" for path, _ in nnx.to_flat_state(nnx.state(state, LoRAParam)))
+  save_model(tmp_path / "adapted", state, config)
+  plain = dataclasses.replace(config, lora=LoRAConfig())
+  merged_state = nnx.state(nnx.eval_shape(model_factory(plain)))
+  nnx.replace_by_pure_dict(merged_state, merged(nnx.to_pure_dict(state), config.lora.scale))
+  save_model(tmp_path / "merged", merged_state, plain)
+  export_hf(tmp_path / "adapted", tmp_path / "adapted-hf")
+  export_hf(tmp_path / "merged", tmp_path / "merged-hf")
+  got, want = SafetensorsReader(tmp_path / "adapted-hf"), SafetensorsReader(tmp_path / "merged-hf")
+  assert set(got.weight_map) == set(want.weight_map)
+  assert any(name.startswith(f"model.layers.{config.model.num_layers}.") for name in got.weight_map)
+  for name in want.weight_map:
+    np.testing.assert_allclose(got(name), want(name), rtol=1e-6, atol=1e-7, err_msg=name)

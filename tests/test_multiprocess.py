@@ -122,10 +122,11 @@ def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp
   for code, _, err in two:
     assert code == 0, err[-3000:]
   assert "wrote" in two[0][1] and "wrote" not in two[1][1]  # the first process reports
-  shares = re.search(r"by process: (\d+) (\d+)\n", two[0][2])  # each wrote its share
-  assert shares and min(int(shares[1]), int(shares[2])) > 0, two[0][2][-2000:]
   reference = SafetensorsReader(tmp_path / "one")
   other = SafetensorsReader(tmp_path / "two")
+  shares = re.search(r"by process: (\d+) (\d+)\n", two[0][2])  # each wrote its own share
+  assert shares and min(int(shares[1]), int(shares[2])) > 0, two[0][2][-2000:]
+  assert int(shares[1]) + int(shares[2]) == len(other.weight_map)
   assert len(set(reference.weight_map.values())) > 1  # several shards, with an index
   assert set(other.weight_map) == set(reference.weight_map)
   for key in reference.weight_map:

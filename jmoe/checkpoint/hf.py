@@ -27,7 +27,7 @@ from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
                                       name_shards, read_json, refuse_to_overwrite,
                                       written_in_place)
-from jmoe.checkpoint.hf_mappings import EXPERT_AXIS, mtp_prefixes, walk
+from jmoe.checkpoint.hf_mappings import Mapping, mtp_prefixes, walk
 from jmoe.checkpoint.params import open_variables, read_config
 from jmoe.checkpoint.streamed import (Region, StreamedArray, part_shape, raise_everywhere,
                                       save_streamed)
@@ -73,25 +73,26 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   params = nnx.state(nnx.eval_shape(model_factory(config)))
   interleaved = bool(hf.get("rope_interleave", False))
   _check_mtp_copies(read, config, family, hf_dir)
-  layers: dict[tuple, list] = {}  # a variable's (HF prefix, to_jmoe) for each layer, or the one
+  layers: dict[tuple, list] = {}  # a variable's (HF prefix, mapping) for each layer, or the one
   stacked_paths = set()
   for path, _, layer, prefix, mapping in walk(config, family, params, interleaved):
-    layers.setdefault(path, []).append((prefix, mapping.to_jmoe))
+    layers.setdefault(path, []).append((prefix, mapping))
     if layer is not None:
       stacked_paths.add(path)
 
   def streamed(path: tuple, variable) -> StreamedArray:
     stacked = path in stacked_paths
-    experts = path[-2:] in EXPERT_AXIS
+    experts = layers[path][0][1].import_blocks
     shape = part_shape(variable.shape, stacked, int(stacked) if experts else None,
                        np.dtype(variable.dtype).itemsize, part_bytes)
 
     def make(region: Region) -> np.ndarray:
-      prefix, to_jmoe = layers[path][region[0].start if stacked else 0]
+      prefix, mapping = layers[path][region[0].start if stacked else 0]
       layer_shape = shape[1:] if stacked else shape
       block = {"experts": region[int(stacked)]} if experts else {}
       try:
-        value = to_jmoe(lambda name, rows=None: read(prefix + name, rows), layer_shape, **block)
+        value = mapping.to_jmoe(lambda name, rows=None: read(prefix + name, rows), layer_shape,
+                                **block)
       except ConfigError:  # a tensor missing or unreadable: its own message
         raise
       except ValueError as e:  # a tensor of another shape than config.json implies
@@ -147,9 +148,10 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
   """Writes a jmoe model checkpoint (or a training workdir) as a Hugging Face model directory
   (`out` must be empty or new, unless `overwrite`). One part of one variable is read from the
   checkpoint at a time, on the host (a layer; of the routed experts' weights, a block of experts
-  within `part_bytes`), converted and added to the safetensors file being filled: the host holds
-  that file (at most `shard_bytes`) and a part or two, never the model, and no device is used.
-  Run in several processes, each reads and writes its share of the parts.
+  within `part_bytes` where each expert has tensors of its own, as all but GPT-OSS's checkpoints
+  do), converted and added to the safetensors file being filled: the host holds that file (at
+  most `shard_bytes`) and a part or two, never the model, and no device is used. Run in several
+  processes, each reads and writes its share of the parts.
 
   `rope_interleave` (DeepSeek-V3 only) picks the rotary weight layout; default: interleaved, as
   DeepSeek's own checkpoints are.
@@ -182,8 +184,8 @@ def _export(checkpoint: pathlib.Path, out: pathlib.Path, shard_bytes: int, dtype
     hf["rope_interleave"] = rope_interleave
   np_dtype = np.dtype(DTYPES[dtype or config.precision.params])
   abstract = nnx.state(nnx.eval_shape(model_factory(config)))
-  pieces = _pieces(config, family, abstract, open_variables(checkpoint, abstract),
-                   bool(hf.get("rope_interleave", False)), np_dtype, part_bytes, checkpoint)
+  parts = _Parts(config, open_variables(checkpoint, abstract), np_dtype)
+  pieces = parts.pieces(family, abstract, bool(hf.get("rope_interleave", False)), part_bytes)
   index, count = jax.process_index(), jax.process_count()
   error = None
   try:
@@ -196,12 +198,16 @@ def _export(checkpoint: pathlib.Path, out: pathlib.Path, shard_bytes: int, dtype
     error = e
   raise_everywhere(error)  # (a collective: every process has written its files)
   if index == 0:
-    files, tensors = name_shards(out, [f"{i:05d}" for i in range(count)])
-    log.info("%d tensors in %d safetensors file(s), by process: %s", sum(tensors), files,
-             " ".join(map(str, tensors)))
-    hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
-    (out / "config.json").write_text(json.dumps(hf, indent=2))
-    copy_tokenizer_files(checkpoint, out)
+    try:
+      files, tensors = name_shards(out, [f"{i:05d}" for i in range(count)])
+      hf["dtype"] = str(np_dtype) if np_dtype != np.dtype("bfloat16") else "bfloat16"
+      (out / "config.json").write_text(json.dumps(hf, indent=2))
+      copy_tokenizer_files(checkpoint, out)
+      log.info("%d tensors in %d safetensors file(s), by process: %s", sum(tensors), files,
+               " ".join(map(str, tensors)))
+    except Exception as e:  # noqa: BLE001 - as above: the others wait for this one
+      error = e
+  raise_everywhere(error)
 
 
 def _share(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
@@ -215,57 +221,70 @@ def _share(pieces: list[_Piece], count: int) -> list[list[_Piece]]:
   return shares
 
 
-def _pieces(config: Config, family: Family, abstract: nnx.State, stored: dict,
-            interleaved: bool, np_dtype: np.dtype, part_bytes: int,
-            checkpoint: pathlib.Path) -> list[_Piece]:
-  """Every piece of the export, in the mapping walk's order, then the prediction modules' copies
-  of the embedding and head."""
-  flat = {tuple(str(key.key) for key in path): leaf
-          for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
+class _Parts:
+  """A checkpoint's variables, opened (`StoredArray`s by path), read and converted a part at a
+  time into Hugging Face tensors of `np_dtype` (float32 for variables that are not parameters,
+  such as DeepSeek's selection bias)."""
 
-  def read(path: tuple[str, ...], region: tuple) -> np.ndarray:
-    try:
-      return flat[path].read(region)
-    except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
-      where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
-      raise ConfigError(f"{checkpoint}: {'.'.join(path)}[{where}] cannot be read "
-                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged (of a "
-                        f"training workdir: move its newest checkpoints/<step> aside to export "
-                        f"the one before)") from None
+  def __init__(self, config: Config, stored: dict, np_dtype: np.dtype):
+    self.config, self.np_dtype = config, np_dtype
+    self.stored = {tuple(str(key.key) for key in path): leaf
+                   for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]}
 
-  def make(path, region, mapping, block, prefix, out_dtype) -> dict[str, np.ndarray]:
-    value = read(path, region)
+  def pieces(self, family: Family, abstract: nnx.State, interleaved: bool, part_bytes: int
+             ) -> list[_Piece]:
+    """Every piece of the export, in the mapping walk's order: a layer of a variable, or a block
+    of experts of it within `part_bytes` where each expert has Hugging Face tensors of its own;
+    then the prediction modules' copies of the embedding and head."""
+    pieces = []
+    for path, variable, layer, prefix, mapping in walk(self.config, family, abstract,
+                                                       interleaved):
+      out_dtype = self.np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
+      stacked = layer is not None
+      axis = int(stacked) if mapping.export_blocks else None
+      shape = part_shape(variable.shape, stacked, axis, self.stored[path].dtype.itemsize,
+                         part_bytes)
+      blocks = [None] if axis is None else [
+          slice(i, i + shape[axis]) for i in range(0, variable.shape[axis], shape[axis])]
+      for block in blocks:
+        region = ((layer,) if stacked else ()) + ((block,) if block else ())
+        pieces.append(_Piece(math.prod(shape) * out_dtype.itemsize, functools.partial(
+            self.convert, path, region, mapping, block, prefix, out_dtype)))
+    table = ("embed", "table")
+    head = ("head_DV",) if ("head_DV",) in self.stored else None
+    for prefix in mtp_prefixes(self.config, family):  # copies of the shared embedding and head
+      nbytes = math.prod(self.stored[table].shape) * self.np_dtype.itemsize
+      pieces.append(_Piece(nbytes, functools.partial(
+          self.copy, table, False, prefix + "embed_tokens.weight")))
+      pieces.append(_Piece(nbytes, functools.partial(
+          self.copy, head or table, bool(head), prefix + "shared_head.head.weight")))
+    return pieces
+
+  def convert(self, path: tuple[str, ...], region: tuple, mapping: Mapping, block: slice | None,
+              prefix: str, out_dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The Hugging Face tensors of one part (a LoRA run's adapters folded into it)."""
+    value = self.read(path, region)
     lora = path[:-1] + ("lora", path[-1])
-    if lora + ("a",) in flat:  # a LoRA run's adapters, folded into their weight
-      value = fold(value, read(lora + ("a",), region), read(lora + ("b",), region),
-                   config.lora.scale)
+    if lora + ("a",) in self.stored:
+      value = fold(value, self.read(lora + ("a",), region), self.read(lora + ("b",), region),
+                   self.config.lora.scale)
     tensors = mapping.to_hf(value) if block is None else mapping.to_hf(value, experts=block)
     return {prefix + name: np.ascontiguousarray(t, dtype=out_dtype)
             for name, t in tensors.items()}
 
-  pieces = []
-  for path, variable, layer, prefix, mapping in walk(config, family, abstract, interleaved):
-    # Parameters in the asked dtype; other state (DeepSeek's selection bias) stays float32.
-    out_dtype = np_dtype if isinstance(variable, nnx.Param) else np.dtype(np.float32)
-    stacked = layer is not None
-    axis = int(stacked) if mapping.per_expert else None
-    shape = part_shape(variable.shape, stacked, axis, flat[path].dtype.itemsize, part_bytes)
-    blocks = [None] if axis is None else [
-        slice(i, i + shape[axis]) for i in range(0, variable.shape[axis], shape[axis])]
-    for block in blocks:
-      region = ((layer,) if stacked else ()) + ((block,) if block else ())
-      pieces.append(_Piece(math.prod(shape) * out_dtype.itemsize, functools.partial(
-          make, path, region, mapping, block, prefix, out_dtype)))
-  table = ("embed", "table")
-  head = ("head_DV",) if ("head_DV",) in flat else None
+  def copy(self, path: tuple[str, ...], transpose: bool, name: str) -> dict[str, np.ndarray]:
+    value = self.read(path, ())
+    return {name: np.ascontiguousarray(value.T if transpose else value, dtype=self.np_dtype)}
 
-  def copies(prefix: str) -> dict[str, np.ndarray]:
-    embedding = read(table, ())
-    return {prefix + "embed_tokens.weight": np.ascontiguousarray(embedding, dtype=np_dtype),
-            prefix + "shared_head.head.weight": np.ascontiguousarray(
-                read(head, ()).T if head else embedding, dtype=np_dtype)}
-
-  for prefix in mtp_prefixes(config, family):  # the copies of the shared embedding and head
-    nbytes = 2 * math.prod(flat[table].shape) * np_dtype.itemsize
-    pieces.append(_Piece(nbytes, functools.partial(copies, prefix)))
-  return pieces
+  def read(self, path: tuple[str, ...], region: tuple) -> np.ndarray:
+    stored = self.stored[path]
+    try:
+      return stored.read(region)
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+      where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
+      step = stored.source.parent if stored.source.name == "state" else None
+      remedy = (f"move {step} aside to export the checkpoint before it" if step
+                else "convert or save it again")
+      raise ConfigError(f"{stored.source}: {'.'.join(path)}[{where}] cannot be read "
+                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged: "
+                        f"{remedy}") from None

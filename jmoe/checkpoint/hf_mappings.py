@@ -23,9 +23,11 @@ Get = Callable[..., np.ndarray]  # (name[, rows: a slice of the leading axis]) -
 class Mapping(NamedTuple):
   to_jmoe: Callable[..., np.ndarray]  # (get, shape) -> one layer of the jmoe parameter
   to_hf: Callable[..., dict[str, np.ndarray]]  # (one layer) -> {name: tensor}
-  # The tensors are each one expert's: both directions take a block of experts (`experts=`, a
-  # slice of the expert axis), and export writes such a block at a time.
-  per_expert: bool = False
+  # Which directions take a block of experts (`experts=`, a slice of the leading expert axis),
+  # so that conversion makes a layer of them a block at a time: import reads only the block's
+  # tensors (or rows); export writes only its tensors, where each expert has tensors of its own.
+  import_blocks: bool = False
+  export_blocks: bool = False
 
 
 def _linear(name: str, in_dims: int):
@@ -75,14 +77,14 @@ def _per_expert(num_experts: int, make: Callable[[str], Mapping]):
     return {k: v for i, e in enumerate(range(num_experts)[experts])
             for k, v in make(str(e)).to_hf(a[i]).items()}
 
-  return Mapping(to_jmoe, to_hf, per_expert=True)
+  return Mapping(to_jmoe, to_hf, import_blocks=True, export_blocks=True)
 
 
 def _expert_rows(mapping):
   """A mapping of tensors whose leading axis is the experts, made (on import) for a block of
-  `experts`: only their rows are read."""
+  `experts`: only their rows are read. Export writes each tensor whole."""
   return Mapping(lambda get, shape, experts=slice(None): mapping.to_jmoe(
-      lambda name: get(name, experts), shape), mapping.to_hf)
+      lambda name: get(name, experts), shape), mapping.to_hf, import_blocks=True)
 
 
 def _rope_interleaved(mapping, start: int, size: int):
@@ -173,12 +175,6 @@ def layer_mappings(family: Family, config: Config, interleaved: bool = False
   return mappings
 
 
-# A layer's variables whose first axis is the routed experts: their mappings take a block of
-# experts (`experts=slice`), and import makes them a block at a time.
-EXPERT_AXIS = {("mlp", "w_in_ED2F"), ("mlp", "w_out_EFD"), ("mlp", "b_in_E2F"),
-               ("mlp", "b_out_ED")}
-
-
 TOP_MAPPINGS = {
     ("embed", "table"): _same("model.embed_tokens.weight"),
     ("final_norm", "scale"): _same("model.norm.weight"),
@@ -207,7 +203,8 @@ def mtp_prefixes(config: Config, family: Family) -> list[str]:
 
 def walk(config: Config, family: Family, params: nnx.State, interleaved: bool
           ) -> Iterator[tuple]:
-  """(path, layer or None, HF name prefix, mapping) for every parameter (and layer) of the model."""
+  """(path, variable, layer or None, HF name prefix, mapping) for every parameter (and layer) of
+  the model."""
   layers = layer_mappings(family, config, interleaved)
   first_moe = config.moe.first_k_dense
   prefixes = mtp_prefixes(config, family)

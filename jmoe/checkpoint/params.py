@@ -22,9 +22,9 @@ import orbax.checkpoint as ocp
 import numpy as np
 from flax import nnx
 
-from jmoe.checkpoint.streamed import OPENED, open_checkpointer
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
                                      quiet_orbax, require_complete, with_shardings)
+from jmoe.checkpoint.streamed import OPENED, open_checkpointer
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
@@ -138,21 +138,21 @@ def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | N
   with ocp.StandardCheckpointer() as checkpointer:
     _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
            target, run_state())
-  try:
-    if shardings is None:
+  if shardings is None:
+    try:
       with open_checkpointer() as checkpointer:
         return checkpointer.restore(directory / "model", args=ocp.args.PyTreeRestore(
             item=target, restore_args=jax.tree.map(lambda _: OPENED, target)))
-    largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
-                   for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
-                  default=0)
-    handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
-    with ocp.Checkpointer(handler) as checkpointer:
-      return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
-  except Exception as e:  # noqa: BLE001 - Orbax's and tensorstore's errors for damaged files
-    raise ConfigError(f"{directory / 'model'} cannot be read ({type(e).__name__}: "
-                      f"{str(e)[:300]}); the checkpoint is damaged: convert or save it again"
-                      ) from None
+    except Exception as e:  # noqa: BLE001 - opening reads only metadata: damaged files
+      raise ConfigError(f"{directory / 'model'} cannot be opened ({type(e).__name__}: "
+                        f"{str(e)[:300]}); the checkpoint is damaged: convert or save it again"
+                        ) from None
+  largest = max((_largest_shard(s, x.shape) * np.dtype(x.dtype).itemsize
+                 for x, s in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings))),
+                default=0)
+  handler = ocp.StandardCheckpointHandler(restore_concurrent_gb=_window_gb(largest))
+  with ocp.Checkpointer(handler) as checkpointer:
+    return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
 
 
 def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None

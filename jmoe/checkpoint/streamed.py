@@ -121,6 +121,7 @@ class StoredArray:
   allowed) from the files, as a numpy array."""
 
   store: ts.TensorStore
+  source: pathlib.Path  # the checkpoint (Orbax item directory) it is in
 
   @property
   def shape(self) -> tuple[int, ...]:
@@ -145,7 +146,8 @@ class _OpeningHandler(ocp.type_handlers.NumpyHandler):
           info, use_ocdbt=info.is_ocdbt_checkpoint,
           raise_array_data_missing_error=info.raise_array_data_missing_error)
       opening.append(ts.open(ts.Spec(spec), open=True, context=info.ts_context))
-    return [StoredArray(store) for store in await asyncio.gather(*opening)]
+    return [StoredArray(store, pathlib.Path(info.parent_dir))
+            for store, info in zip(await asyncio.gather(*opening), infos)]
 
 
 OPENED = ocp.RestoreArgs(restore_type=StoredArray)  # restore args of an array to open
