@@ -155,7 +155,7 @@ OPENED = ocp.RestoreArgs(restore_type=StoredArray)  # restore args of an array t
 
 def open_checkpointer() -> ocp.Checkpointer:
   """An Orbax PyTree checkpointer that restores the arrays given `OPENED` as `StoredArray`s."""
-  registry = ocp.type_handlers.create_type_handler_registry(
+  registry = ocp.type_handlers.create_type_handler_registry(  # (Orbax asks for jax.Array's)
       (StoredArray, _OpeningHandler()), (jax.Array, ocp.type_handlers.ArrayHandler()))
   return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
       type_handler_registry=registry)))
