@@ -2,8 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+from flags import xla_flags
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No persistent compilation cache: on the CPU build (jax 0.11.2) a train step read back from it
 # can hang in a collective (one simulated device at another op than the rest, until XLA aborts):

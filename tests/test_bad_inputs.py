@@ -23,6 +23,8 @@ import jax
 import numpy as np
 import pytest
 
+from flags import xla_flags
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 TINY = ["--config.model.d_model=32", "--config.model.num_layers=2", "--config.model.num_heads=4",
@@ -541,7 +543,7 @@ def test_a_second_run_is_refused_and_a_killed_run_resumes(tmp_path):
   import signal
   import subprocess
   import time
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2),
              JAX_PLATFORMS="cpu")
   workdir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
   command = lambda steps: [sys.executable, "-m", "jmoe.train", "--config", CONFIG, "--workdir",

@@ -2,6 +2,7 @@
 preemption, damaged checkpoints, starting from another run's parameters, upcycling."""
 
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -16,7 +17,9 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
+from flags import xla_flags
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.params import read_variables, save_model
 from jmoe.config import ConfigError, ParallelConfig, load_config
@@ -139,7 +142,7 @@ def two_processes(workdir, overrides):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(4),
              JAX_PLATFORMS="cpu")
   return [subprocess.Popen(
       [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir", str(workdir),
@@ -178,8 +181,29 @@ def test_two_processes_resume_and_save_like_one(reference, tmp_path):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_one_process_saves_replicated_arrays_without_compiling(tmp_path, caplog):
+  """Orbax shares the writing of a replicated array among its replicas, slicing it with a
+  compiled program per share; within one process jmoe writes it whole (the shares pay only when
+  processes split the writing, as in the test above). The saved values are the array's."""
+  mesh = jax.make_mesh((8,), ("data",))
+  values = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+  state = {"replicated": jax.device_put(values, NamedSharding(mesh, PartitionSpec())),
+           "split": jax.device_put(values + 1, NamedSharding(mesh, PartitionSpec("data")))}
+  checkpointer = Checkpointer(tmp_path, keep=1, async_save=False)
+  with jax.log_compiles(True), caplog.at_level(logging.DEBUG):
+    checkpointer.save(1, state)
+    checkpointer.wait()
+  compiles = [r.getMessage() for r in caplog.records if "XLA compilation" in r.getMessage()]
+  assert not compiles, compiles
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored, _ = checkpointer.restore(1, abstract, jax.tree.map(lambda x: x.sharding, state))
+  checkpointer.close()
+  np.testing.assert_array_equal(restored["replicated"], values)
+  np.testing.assert_array_equal(restored["split"], values + 1)
+
+
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2),
              JAX_PLATFORMS="cpu")
 
   def command(steps):
@@ -284,7 +308,7 @@ def test_upcycling_from_the_command_line_then_training(tmp_path):
        "--config", str(CONFIG), "--out", str(tmp_path / "moe"),
        *[f"--config.{o}" for o in moe_overrides]],
       cwd=ROOT, capture_output=True, text=True, timeout=240,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""))
+      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()))
   assert result.returncode == 0, result.stderr[-3000:]
   assert "wrote" in result.stdout
 

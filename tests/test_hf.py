@@ -17,6 +17,7 @@ from flax import nnx
 import pytest
 from safetensors import safe_open
 
+from flags import xla_flags
 from jmoe.checkpoint.hf import export_hf, import_hf
 from jmoe.checkpoint.hf_files import SafetensorsReader
 from jmoe.checkpoint.hf_families import check_exportable
@@ -194,7 +195,7 @@ def test_conversion_errors_name_the_problem(tmp_path):
 def test_convert_and_score_commands(tmp_path):
   family, kwargs, _ = FAMILIES["mixtral_window"]
   hf("build", family, tmp_path / "hf", 3, json.dumps(kwargs))
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(2),
          "PATH": "/usr/bin:/bin"}
   run = lambda *args: subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True,
                                      cwd=ROOT, env=env, timeout=300)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flags import xla_flags
 from helpers import merge, tiny_config
 from jmoe.memory import compiled_bytes, estimate, function_peak
 from jmoe.memory.gpu import like_fused_attention
@@ -145,7 +146,7 @@ def test_script_compares_with_xla(capsys):
 def test_script_simulates_devices_it_lacks():
   """DeepSeek-V3 (671B) on 256 GPUs of 80 GB, the layout docs/MEMORY.md recommends: traced on
   256 simulated devices in a process of its own."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(8))
   out = subprocess.run(
       [sys.executable, str(ROOT / "scripts/estimate_memory.py"), "--config",
        str(ROOT / "configs/deepseek_v3.py"), "--devices", "256", "--device-memory-gib", "80",

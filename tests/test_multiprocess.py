@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 
+from flags import xla_flags
 from jmoe import distributed
 from jmoe.config import ConfigError, load_config
 from jmoe.train.loop import train
@@ -39,7 +40,7 @@ def test_four_processes_train_like_one(tmp_path):
                                   progress=False)]
   port, procs = free_port(), []
   for i in range(4):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
                JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="4",
                JMOE_PROCESS_ID=str(i))
     procs.append(subprocess.Popen(
@@ -93,7 +94,7 @@ def in_two_processes(args: list[str], env: dict | None = None) -> list[tuple[int
   devices."""
   port, procs = free_port(), []
   for i in range(2):
-    environ = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    environ = dict(os.environ, XLA_FLAGS=xla_flags(4),
                    JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}",
                    JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID=str(i), **(env or {}))
     procs.append(subprocess.Popen([sys.executable, "-m", "jmoe.convert", *args], cwd=ROOT,

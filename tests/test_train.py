@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from flags import xla_flags
 from jmoe.data import first_batches
 from jmoe.parallel import make_layout
 from jmoe.train.loop import train
@@ -56,7 +57,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def run_cli(workdir, *overrides):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
   cmd = [sys.executable, "-m", "jmoe.train", "--config", str(ROOT / "configs" / "tiny_moe.py"),
          "--workdir", str(workdir), "--no-progress",
          "--config.model.d_model=32", "--config.model.d_ff=64", "--config.moe.d_ff_expert=16",

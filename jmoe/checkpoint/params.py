@@ -23,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
-                                     quiet_orbax, require_complete, with_shardings)
+                                     quiet_orbax, require_complete, use_array_writer,
+                                     with_shardings)
 from jmoe.checkpoint.streamed import OPENED, open_checkpointer
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
@@ -42,6 +43,7 @@ def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) 
   directory.mkdir(parents=True, exist_ok=True)
   largest = max((shard.data.nbytes for leaf in jax.tree.leaves(state)
                  if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards), default=0)
+  use_array_writer()
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=_window_gb(largest))
   with ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(directory / "model", args=ocp.args.StandardSave(
