@@ -343,10 +343,10 @@ def hf_dir(tmp_path_factory) -> pathlib.Path:
   from jmoe.checkpoint.hf import export_hf
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
-  from jmoe.model.factory import model_factory
+  from helpers import build
   root = tmp_path_factory.mktemp("hf")
   config = load_config(QWEN, [o.removeprefix("--config.") for o in TINY])
-  save_model(root / "ckpt", nnx.state(model_factory(config)()), config)
+  save_model(root / "ckpt", nnx.state(build(config)), config)
   return export_hf(root / "ckpt", root / "hf", shard_bytes=100_000)
 
 
@@ -482,9 +482,9 @@ def test_export_of_damaged_array_data_names_the_array_and_writes_nothing(tmp_pat
   from flax import nnx
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
-  from jmoe.model.factory import model_factory
+  from helpers import build
   config = load_config(QWEN, [])
-  save_model(tmp_path / "ckpt", nnx.state(model_factory(config)()), config)
+  save_model(tmp_path / "ckpt", nnx.state(build(config)), config)
   data = max((tmp_path / "ckpt").rglob("d/*"), key=lambda p: p.stat().st_size)
   data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
   before = hashes(tmp_path / "ckpt")

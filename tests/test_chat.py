@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import tiny_config
+from helpers import build, tiny_config
 from jmoe.config import ConfigError, DataConfig
 from jmoe.data.chat import ChatTemplate, tokenize_chat
 from jmoe.data.pipeline import Batches, MASKED_KEYS, open_documents, training_order
 from jmoe.data.tokenizer import HFTokenizer
-from jmoe.model.factory import model_factory
 from jmoe.train.step import make_loss_fn, target_counts
 
 SPECIAL = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
@@ -168,7 +167,7 @@ def test_packed_rows_keep_each_documents_mask(tmp_path):
 
 def test_chat_loss_is_the_mean_over_the_assistants_tokens():
   config = tiny_config()
-  model = model_factory(config)()
+  model = build(config)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.model.vocab_size, (2, 17)).astype(np.int32)

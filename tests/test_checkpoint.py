@@ -30,7 +30,7 @@ from jmoe.train.loss import cross_entropy_sum
 from jmoe.train.optimizer import make_optimizer
 from jmoe.model.factory import model_factory
 from jmoe.train.state import state_spec
-from helpers import tiny_config
+from helpers import build, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_moe.py"
@@ -281,7 +281,7 @@ def test_upcycled_model_computes_what_the_dense_model_does(tmp_path, name):
   from jmoe.checkpoint.upcycle import upcycle
   moe, router_std = UPCYCLED[name]
   dense_config = tiny_config(**DENSE)
-  dense = model_factory(dense_config)()
+  dense = build(dense_config)
   save_model(tmp_path / "dense", nnx.state(dense), dense_config)
   config = tiny_config(model=dict(d_ff=64), moe=moe)
   upcycle(tmp_path / "dense", config, tmp_path / "moe", router_std)
@@ -325,7 +325,7 @@ def test_upcycling_from_the_command_line_then_training(tmp_path):
 def test_upcycling_refuses_what_cannot_match(tmp_path):
   from jmoe.checkpoint.upcycle import upcycle
   dense_config = tiny_config(**DENSE)
-  save_model(tmp_path / "dense", nnx.state(model_factory(dense_config)()), dense_config)
+  save_model(tmp_path / "dense", nnx.state(build(dense_config)), dense_config)
   with pytest.raises(ConfigError, match=r"moe.num_experts \(6\) and moe.top_k \(2\) must be "
                                         r"multiples of it"):
     upcycle(tmp_path / "dense", tiny_config(model=dict(d_ff=64), moe=dict(
@@ -347,7 +347,7 @@ def _conversion_model(tmp_path: pathlib.Path, part_bytes: int):
   config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", [
       "model.num_layers=16", "model.d_model=128", "moe.num_experts=16", "moe.d_ff_expert=128",
       "model.vocab_size=512"])
-  model = nnx.state(model_factory(config)())
+  model = nnx.state(build(config))
   save_model(tmp_path / "ckpt", model, config)
   flat = nnx.to_flat_state(model)
   layer = lambda path, v: v[...][0] if str(path[0]).endswith("blocks") else v[...]

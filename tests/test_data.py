@@ -19,8 +19,7 @@ from jmoe.data.prepare import prepare
 from jmoe.data.sources import TokenShards
 from jmoe.data.tokenizer import ByteTokenizer, HFTokenizer
 from jmoe.train.loop import train
-from jmoe.model.factory import model_factory
-from helpers import tiny_config
+from helpers import build, tiny_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -45,7 +44,7 @@ def test_packed_documents_do_not_see_each_other(variant):
                "sinks_windows": dict(attention_sinks=True, sliding_window=6,
                                      full_attention_every=2)}[variant]
   config = tiny_config(model=model_cfg)
-  model = model_factory(config)()
+  model = build(config)
   forward = nnx.jit(lambda model, *args: model(*args)[0])
   rng = np.random.default_rng(0)
   first, second = rng.integers(0, 256, 13), rng.integers(0, 256, 19)

@@ -210,13 +210,14 @@ def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load
 
 
 def test_fp8_training_follows_bf16(tmp_path):
-  """300 steps of the tiny model: the FP8 run's final loss within 2% of the bf16 run's."""
-  common = dict(train=dict(steps=300, log_every=10, lr=3e-3, warmup_steps=10),
+  """150 steps of the tiny model (the loss from about 5.6 to 2.7): the FP8 run's final loss
+  within 2% of the bf16 run's (0.07% when measured)."""
+  common = dict(train=dict(steps=150, log_every=10, lr=3e-3, warmup_steps=10),
                 moe=dict(expert_blocks=1.25))
   base = dict(params="float32", compute="bfloat16")
   end = {}
-  # (delayed scaling, run the same way once: 2.4827 against bf16's 2.4763; its state and resume
-  # are tested above)
+  # (delayed scaling, run the same way for 300 steps once: 2.4827 against bf16's 2.4763; its
+  # state and resume are tested above)
   for name, precision in [("bf16", {}), ("current", dict(gemm="fp8"))]:
     records = train(tiny_config(precision=dict(base, **precision), **common), tmp_path / name,
                     progress=False, devices=jax.devices()[:1])

@@ -12,7 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from helpers import tiny_config
+from helpers import build, tiny_config
 from jmoe.checkpoint.params import load_model, save_model
 from jmoe.config import ConfigError, LoRAConfig, ParallelConfig
 from jmoe.model.factory import model_factory
@@ -50,7 +50,7 @@ def randomized(state, seed, std=0.3):
 def test_new_adapters_change_nothing_and_trained_ones_fold_into_the_weights(name):
   config = lora_config(**FAMILIES[name])
   plain = dataclasses.replace(config, lora=LoRAConfig())
-  model, base = model_factory(config)(), model_factory(plain)()
+  model, base = build(config), build(plain)
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (2, 24)))
 
   def as_plain(model):  # the model without LoRA that `merged` describes
@@ -98,7 +98,7 @@ def test_adapter_gradients_match_single_device(monkeypatch):
 @pytest.mark.slow
 def test_adapters_train_alone_save_small_and_resume_exactly(tmp_path):
   base_config = tiny_config(moe=dict(num_shared_experts=1), train=dict(steps=4))
-  base = model_factory(base_config)()
+  base = build(base_config)
   save_model(tmp_path / "base", nnx.state(base), base_config)
   config = lora_config(moe=dict(num_shared_experts=1),
                        checkpoint=dict(load_params=str(tmp_path / "base"), every=2),

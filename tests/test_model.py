@@ -7,8 +7,7 @@ import pytest
 from flax import nnx
 
 from jmoe.model.transformer import Transformer
-from jmoe.model.factory import model_factory
-from helpers import tiny_config
+from helpers import build, tiny_config
 
 
 def tokens(seed=0, batch=2, seq=24):
@@ -20,7 +19,7 @@ def tokens(seed=0, batch=2, seq=24):
     dict(model=dict(tie_embeddings=True), moe=dict(num_shared_experts=2, first_k_dense=0)),
 ])
 def test_future_tokens_do_not_change_past_logits(variant):
-  model = model_factory(tiny_config(**variant))()
+  model = build(tiny_config(**variant))
   toks = tokens()
   logits, _ = model(toks)
   cut = 10
@@ -31,7 +30,7 @@ def test_future_tokens_do_not_change_past_logits(variant):
 
 
 def test_no_gradient_flows_from_the_future():
-  model = model_factory(tiny_config())()
+  model = build(tiny_config())
   x = model.embed(tokens())
 
   def logit_at(x_BSD, pos):
@@ -50,7 +49,7 @@ def test_no_gradient_flows_from_the_future():
 
 def test_router_stats_per_moe_layer():
   config = tiny_config()
-  _, stats = model_factory(config)()(tokens())
+  _, stats = build(config)(tokens())
   moe_layers = config.model.num_layers - config.moe.first_k_dense
   assert stats.load_E.shape == (moe_layers, config.moe.num_experts)
   np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
@@ -61,8 +60,7 @@ def test_router_stats_per_moe_layer():
                                            ("full", 3)])
 def test_remat_and_unrolled_layers_equal_the_plain_loop(remat, unroll):
   def loss_and_grads(remat, unroll=1):
-    model = model_factory(tiny_config(train=dict(remat=remat),
-                                      model=dict(scan_unroll=unroll)))()
+    model = build(tiny_config(train=dict(remat=remat), model=dict(scan_unroll=unroll)))
 
     def loss(m):
       logits, stats = m(tokens())
@@ -78,8 +76,8 @@ def test_remat_and_unrolled_layers_equal_the_plain_loop(remat, unroll):
 
 def test_bfloat16_compute_tracks_float32():
   toks = tokens()
-  ref, _ = model_factory(tiny_config())()(toks)
-  low, _ = model_factory(tiny_config(precision=dict(compute="bfloat16")))()(toks)
+  ref, _ = build(tiny_config())(toks)
+  low, _ = build(tiny_config(precision=dict(compute="bfloat16")))(toks)
   assert low.dtype == jnp.float32  # logits come back in float32 whatever the compute dtype
   # bf16 has 8 bits of mantissa: differences of a few 1e-2 on O(1) logits, not more.
   assert float(jnp.max(jnp.abs(low - ref))) < 0.1
@@ -89,7 +87,7 @@ def test_bfloat16_compute_tracks_float32():
 def test_parameter_count_matches_formula():
   config = tiny_config()
   m, moe = config.model, config.moe
-  model = model_factory(config)()
+  model = build(config)
   count = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   attn = m.d_model * m.head_dim * (2 * m.num_heads + 2 * m.num_kv_heads)
   dense_mlp = 3 * m.d_model * m.d_ff
@@ -104,7 +102,7 @@ def test_parameter_count_matches_formula():
 
 def test_multi_token_prediction_heads_are_causal_and_leave_the_main_head_alone():
   config = tiny_config(model=dict(mtp_depth=2))
-  model = model_factory(config)()
+  model = build(config)
   from jmoe.train.loss import mtp_inputs
   window = jax.random.randint(jax.random.key(5), (2, 25), 0, 256)
   inputs, ahead = window[:, :-1], mtp_inputs(window, 2)

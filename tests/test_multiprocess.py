@@ -113,9 +113,10 @@ def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp
   from jmoe.checkpoint.hf_files import SafetensorsReader
   from jmoe.checkpoint.params import read_variables, save_model
   from jmoe.model.factory import model_factory
+  from helpers import build
   config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", ["model.d_model=32", "model.d_ff=64",
                                                                  "moe.d_ff_expert=16"])
-  model = nnx.state(model_factory(config)())
+  model = nnx.state(build(config))
   save_model(tmp_path / "ckpt", model, config)
   export_hf(tmp_path / "ckpt", tmp_path / "one", shard_bytes=60_000)
   two = in_two_processes(["export-hf", "--checkpoint", str(tmp_path / "ckpt"), "--out",

@@ -119,11 +119,11 @@ def test_adamw_update_is_optax_adamw_with_clipping():
   """The fused update against optax's AdamW after global-norm clipping, float32, over steps with
   and without clipping, on parameters of every kind (decayed or not)."""
   import optax
-  from jmoe.model.factory import model_factory
+  from helpers import build
   from jmoe.ops.params import DECAYED_KINDS, kind_of
   from flax import nnx
   config = tiny_config(train=dict(grad_clip=0.5, weight_decay=0.1, lr=1e-2))
-  params = nnx.state(model_factory(config)(), nnx.Param)
+  params = nnx.state(build(config), nnx.Param)
   ours = make_optimizer(config.train, "float32")
   mask = jax.tree.map(lambda v: v.replace(kind_of(v) in DECAYED_KINDS), params,
                       is_leaf=lambda x: isinstance(x, nnx.Variable))
@@ -163,10 +163,10 @@ def test_a_step_that_is_not_applied_changes_nothing():
   """A non-finite gradient's update is selected away: parameters, moments and the update count
   come out bit for bit as they went in (NaN gradients included)."""
   import jax.numpy as jnp
-  from jmoe.model.factory import model_factory
+  from helpers import build
   from flax import nnx
   config = tiny_config(precision=dict(moments="bfloat16"))
-  params = nnx.state(model_factory(config)(), nnx.Param)
+  params = nnx.state(build(config), nnx.Param)
   optimizer = make_optimizer(config.train, "bfloat16")
   grads = jax.tree.map(lambda x: jnp.ones_like(x), params)
   params1, state1 = optimizer.apply(grads, optimizer.init(params), params, jnp.float32(3.0))
