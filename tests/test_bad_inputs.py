@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import pytest
 
-from flags import xla_flags
+from flags import command_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -543,8 +543,7 @@ def test_a_second_run_is_refused_and_a_killed_run_resumes(tmp_path):
   import signal
   import subprocess
   import time
-  env = dict(os.environ, XLA_FLAGS=xla_flags(2),
-             JAX_PLATFORMS="cpu")
+  env = command_env(2)
   workdir, metrics = tmp_path / "run", tmp_path / "run" / "metrics.jsonl"
   command = lambda steps: [sys.executable, "-m", "jmoe.train", "--config", CONFIG, "--workdir",
                            str(workdir), "--no-progress", *TINY, f"--config.train.steps={steps}",

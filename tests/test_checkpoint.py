@@ -3,7 +3,6 @@ preemption, damaged checkpoints, starting from another run's parameters, upcycli
 
 import json
 import logging
-import os
 import pathlib
 import shutil
 import signal
@@ -19,7 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flags import xla_flags
+from flags import command_env
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.params import read_variables, save_model
 from jmoe.config import ConfigError, ParallelConfig, load_config
@@ -142,8 +141,7 @@ def two_processes(workdir, overrides):
   with socket.socket() as s:
     s.bind(("localhost", 0))
     port = s.getsockname()[1]
-  env = dict(os.environ, XLA_FLAGS=xla_flags(4),
-             JAX_PLATFORMS="cpu")
+  env = command_env(4)
   return [subprocess.Popen(
       [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir", str(workdir),
        "--no-progress", "--coordinator", f"localhost:{port}", "--num-processes", "2",
@@ -203,8 +201,7 @@ def test_one_process_saves_replicated_arrays_without_compiling(tmp_path, caplog)
 
 
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
-  env = dict(os.environ, XLA_FLAGS=xla_flags(2),
-             JAX_PLATFORMS="cpu")
+  env = command_env(2)
 
   def command(steps):
     overrides = [o for o in OVERRIDES if not o.startswith(("train.steps", "checkpoint.every"))]
@@ -308,7 +305,7 @@ def test_upcycling_from_the_command_line_then_training(tmp_path):
        "--config", str(CONFIG), "--out", str(tmp_path / "moe"),
        *[f"--config.{o}" for o in moe_overrides]],
       cwd=ROOT, capture_output=True, text=True, timeout=240,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()))
+      env=command_env())
   assert result.returncode == 0, result.stderr[-3000:]
   assert "wrote" in result.stdout
 

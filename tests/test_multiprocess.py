@@ -4,7 +4,6 @@ processes joined by flags: tests/test_checkpoint.py); SLURM's and MPI's variable
 own detection."""
 
 import json
-import os
 import pathlib
 import re
 import socket
@@ -15,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from flags import xla_flags
+from flags import command_env
 from jmoe import distributed
 from jmoe.config import ConfigError, load_config
 from jmoe.train.loop import train
@@ -40,9 +39,8 @@ def test_four_processes_train_like_one(tmp_path):
                                   progress=False)]
   port, procs = free_port(), []
   for i in range(4):
-    env = dict(os.environ, XLA_FLAGS=xla_flags(2),
-               JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="4",
-               JMOE_PROCESS_ID=str(i))
+    env = command_env(2, JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="4",
+                      JMOE_PROCESS_ID=str(i))
     procs.append(subprocess.Popen(
         [sys.executable, "-m", "jmoe.train", "--config", str(CONFIG), "--workdir",
          str(tmp_path / "four"), "--no-progress", *[f"--config.{o}" for o in OVERRIDES]],
@@ -94,9 +92,8 @@ def in_two_processes(args: list[str], env: dict | None = None) -> list[tuple[int
   devices."""
   port, procs = free_port(), []
   for i in range(2):
-    environ = dict(os.environ, XLA_FLAGS=xla_flags(4),
-                   JAX_PLATFORMS="cpu", JMOE_COORDINATOR=f"localhost:{port}",
-                   JMOE_NUM_PROCESSES="2", JMOE_PROCESS_ID=str(i), **(env or {}))
+    environ = command_env(4, JMOE_COORDINATOR=f"localhost:{port}", JMOE_NUM_PROCESSES="2",
+                          JMOE_PROCESS_ID=str(i), **(env or {}))
     procs.append(subprocess.Popen([sys.executable, "-m", "jmoe.convert", *args], cwd=ROOT,
                                   env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True))

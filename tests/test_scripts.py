@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from flags import xla_flags
+from flags import command_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_benchmark_prints_its_figures(tmp_path):
        "--warmup", "1", "--balanced", "--config.train.batch_size=4", "--config.data.seq_len=32",
        "--config.model.num_layers=2"],
       cwd=ROOT, capture_output=True, text=True, timeout=240,
-      env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()))
+      env=command_env())
   assert result.returncode == 0, result.stderr[-3000:]
   record = json.loads(result.stdout.strip().splitlines()[-1])
   assert record["routing"] == "balanced" and record["expert_load_max_over_mean"] == 1.0

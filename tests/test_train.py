@@ -1,6 +1,5 @@
 """Training end to end: the loss falls, accumulation is exact, the CLI writes what it promises."""
 
-import os
 import pathlib
 import subprocess
 import sys
@@ -9,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from flags import xla_flags
+from flags import command_env
 from jmoe.data import first_batches
 from jmoe.parallel import make_layout
 from jmoe.train.loop import train
@@ -57,7 +56,7 @@ def test_gradient_accumulation_equals_one_big_batch():
 
 
 def run_cli(workdir, *overrides):
-  env = dict(os.environ, XLA_FLAGS=xla_flags(2), JAX_PLATFORMS="cpu")
+  env = command_env(2)
   cmd = [sys.executable, "-m", "jmoe.train", "--config", str(ROOT / "configs" / "tiny_moe.py"),
          "--workdir", str(workdir), "--no-progress",
          "--config.model.d_model=32", "--config.model.d_ff=64", "--config.moe.d_ff_expert=16",
