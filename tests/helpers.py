@@ -1,9 +1,12 @@
-"""Small configs for tests: a nested dict of overrides on top of a tiny model."""
+"""Small configs for tests: a nested dict of overrides on top of a tiny model; and references
+that scripts/check_gpu.py shares."""
 
 from __future__ import annotations
 
 import copy
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import Config, from_config_dict
@@ -40,3 +43,27 @@ def build(config: Config, seed: int | None = None) -> Transformer:
   """The model `config` describes, its parameters drawn by one compiled program (the values
   model_factory(config, seed)() draws op by op, in half the time)."""
   return nnx.jit(model_factory(config, seed))()
+
+
+def plain_attention(q_BSHA, k_BSGA, v_BSGW, sinks_H, *, scale, window=0, segments_BS=None):
+  """Softmax attention over every visible key (causal, within `window` keys, within each
+  document), each sink a key of zero value, in the inputs' dtype at full precision: the
+  reference for jmoe's attention kernels, differentiated by JAX's autodiff."""
+  b, s, h, _ = q_BSHA.shape
+  repeat = h // k_BSGA.shape[2]
+  k_BSHA, v_BSHW = (jnp.repeat(t, repeat, axis=2) for t in (k_BSGA, v_BSGW))
+  logits = jnp.einsum("bshd,bthd->bhst", q_BSHA, k_BSHA, precision="highest") * scale
+  pos = jnp.arange(s)
+  allowed = (pos[None, :] <= pos[:, None])[None, None]
+  if window:
+    allowed = allowed & (pos[:, None] - pos[None, :] < window)[None, None]
+  if segments_BS is not None:
+    allowed = allowed & (segments_BS[:, :, None] == segments_BS[:, None, :])[:, None]
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  if sinks_H is not None:
+    sink = jnp.broadcast_to(sinks_H[None, :, None, None], (b, h, s, 1))
+    logits = jnp.concatenate([sink, logits], axis=-1)
+  p = jax.nn.softmax(logits, axis=-1)
+  if sinks_H is not None:
+    p = p[..., 1:]
+  return jnp.einsum("bhst,bthw->bshw", p, v_BSHW, precision="highest")

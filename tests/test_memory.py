@@ -18,7 +18,7 @@ import pytest
 from flags import xla_flags
 from helpers import merge, tiny_config
 from jmoe.memory import compiled_bytes, estimate, function_peak
-from jmoe.memory.gpu import like_fused_attention
+from jmoe.memory.gpu import LIKE_FUSED_ATTENTION, gpu_kernels_replaced
 from jmoe.parallel import make_layout
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.state import state_spec
@@ -113,31 +113,49 @@ def test_walk_rules():
 
 
 def test_fused_attention_stand_in_is_attention():
-  """What GPU estimates trace for cuDNN's kernel computes attention and its gradients."""
+  """What GPU estimates trace for cuDNN's kernel is XLA's attention kernel, value for value and
+  gradient for gradient (tests/test_attention.py holds that kernel to the plain softmax)."""
+  from jmoe.ops import attention as attention_ops
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(key, (2, 16, 4, 8)) for key in keys)
-  xla = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  fused = lambda q, k, v: like_fused_attention(q, k, v, is_causal=True)
-  np.testing.assert_allclose(fused(q, k, v), xla(q, k, v), rtol=1e-6)
+  xla = lambda q, k, v: attention_ops.attention(q, k, v, scale=8 ** -0.5, kernel="xla")
+
+  def fused(q, k, v):
+    with gpu_kernels_replaced():
+      return attention_ops.attention(q, k, v, scale=8 ** -0.5, kernel="cudnn")
+
+  assert attention_ops.ATTENTION_KERNELS["cudnn"] is not LIKE_FUSED_ATTENTION  # put back
+  np.testing.assert_array_equal(fused(q, k, v), xla(q, k, v))
   loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)
   grads = (jax.grad(loss(f), (0, 1, 2))(q, k, v) for f in (fused, xla))
   for a, b in zip(*grads):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  # For GPUs (16-bit, where jmoe picks cuDNN), the scores are the kernel's own: no [B, H, S, S]
-  # buffer is kept.
-  cfg = config(data=dict(seq_len=320), train=dict(batch_size=8),
-               precision=dict(compute="bfloat16"))
-  layout = make_layout(cfg.parallel)
-  scores = lambda est: [w for _, _, w in est.largest if "320,320]" in w]
-  assert scores(estimate(cfg, layout, platform="cpu"))
-  assert not scores(estimate(cfg, layout, platform="gpu"))
+    np.testing.assert_array_equal(a, b)
+  # Walked, attention's forward and backward hold [B, H, S, S] scores while they run on CPUs,
+  # and none on GPUs, where the scores are the fused kernel's own.
+  q = jax.ShapeDtypeStruct((2, 320, 4, 8), jnp.bfloat16)
+  scores = 2 * 4 * 320 * 320 * 4
+
+  def step(kernel):
+    return lambda q: jax.grad(lambda q: jnp.sum(attention_ops.attention(
+        q, q, q, scale=0.3, kernel=kernel).astype(jnp.float32)))(q)
+
+  assert function_peak(step("xla"), q, platform="cpu") >= 2 * scores
+  with gpu_kernels_replaced():
+    assert function_peak(step("cudnn"), q, platform="gpu") < scores / 4
 
 
 def test_script_compares_with_xla(capsys):
+  """The script on the model whose CPU accuracy docs/MEMORY.md tabulates (tiny_moe widened to a
+  real layer's proportions, as BASE above). At tiny_moe's own widths (128) the CPU backend's
+  dense expansion of each ragged dot, which GPUs do not make, is a large part of the step and
+  the estimate is 12% low there (docs/MEMORY.md)."""
   sys.path.insert(0, str(ROOT / "scripts"))
   import estimate_memory
+  widths = ["--config.model.d_model=256", "--config.model.head_dim=32",
+            "--config.model.d_ff=1024", "--config.moe.d_ff_expert=256",
+            "--config.train.batch_size=64", "--config.data.seq_len=64"]
   assert estimate_memory.main(["--config", str(ROOT / "configs/tiny_moe.py"), "--compare",
-                               "--config.train.batch_size=16"]) == 0
+                               *widths]) == 0
   record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   assert record["devices"] == 8 and record["platform"] == "cpu"
   assert abs(record["error"]) < 0.10

@@ -34,7 +34,7 @@ def test_chunks_keep_the_logits_small():
 
 
 def test_packed_segments_describe_each_rows_documents():
-  from jmoe.ops.attention import packed_segments
+  from jmoe.ops.attention_kernels import packed_segments
   segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0],
                           [1, 1, 1, 1, 1, 1, 1, 1],
                           [1, 2, 3, 4, 5, 6, 7, 8]], jnp.int32)

@@ -3,7 +3,7 @@ estimate traces in place of GPU kernels, supplied here and nowhere in model code
 
 - Attention: cuDNN's fused kernel keeps, for the backward pass, its inputs, its output and float32
   softmax statistics per query and head, and recomputes the rest inside the kernel. The stand-in
-  holds memory the same way (zeros of the statistics' size: estimates only trace it) and runs
+  is XLA's kernel of the same interface, under the same custom VJP (so it holds the same), run
   under the `FUSED_SCOPE` name scope, so the walk counts what is made inside as the kernel's own
   working memory, never stored.
 - Grouped GEMMs: XLA's ragged dot in place of a GPU-only kernel (they hold the same buffers: their
@@ -17,38 +17,28 @@ import dataclasses
 from typing import Iterator
 
 import jax
-import jax.numpy as jnp
 
 from jmoe.config import Config
 from jmoe.ops import attention as attention_ops
+from jmoe.ops import attention_kernels
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS
 from jmoe.ops.params import DTYPES
 
 FUSED_SCOPE = "fused_attention"
 
 
-def like_fused_attention(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  """XLA's attention, holding memory as cuDNN's fused kernel does."""
-  arrays = {k: v for k, v in kwargs.items() if isinstance(v, jax.Array)}
-  static = {k: v for k, v in kwargs.items() if k not in arrays}
-  attend = lambda q, k, v, a: jax.nn.dot_product_attention(q, k, v, implementation="xla",
-                                                           **static, **a)
+def _scoped(fn):
+  def run(*args, **kwargs):
+    with jax.named_scope(FUSED_SCOPE):
+      return fn(*args, **kwargs)
+  return run
 
-  @jax.custom_vjp
-  def kernel(q, k, v, a):
-    return attend(q, k, v, a)
 
-  def forward(q, k, v, a):
-    out = attend(q, k, v, a)
-    return out, (q, k, v, a, out, jnp.zeros(q.shape[:-1], jnp.float32))
-
-  def backward(saved, g):
-    q, k, v, a = saved[:4]
-    return jax.vjp(attend, q, k, v, a)[1](g)
-
-  kernel.defvjp(forward, backward)
-  with jax.named_scope(FUSED_SCOPE):
-    return kernel(q_BSHA, k_BSGA, v_BSGA, arrays)
+# XLA's kernel in the scope of a fused one: jmoe/ops/attention.py's custom VJP keeps what cuDNN's
+# kernel keeps (inputs, output, float32 statistics), and the walk counts the [S, S] scores made
+# inside as the kernel's working memory.
+LIKE_FUSED_ATTENTION = attention_kernels.AttentionKernel(_scoped(attention_kernels.xla_forward),
+                                                         _scoped(attention_kernels.xla_backward))
 
 
 def as_on_gpu(config: Config) -> Config:
@@ -70,7 +60,7 @@ def gpu_kernels_replaced() -> Iterator[None]:
   swapped for the duration; tracing runs on one thread.)"""
   kernels = attention_ops.ATTENTION_KERNELS
   cudnn = kernels["cudnn"]
-  kernels["cudnn"] = like_fused_attention
+  kernels["cudnn"] = LIKE_FUSED_ATTENTION
   try:
     yield
   finally:

@@ -1,15 +1,14 @@
 """Causal grouped-query attention with rotary embeddings.
 
 The kernel is chosen by `model.attention_kernel` (jmoe/ops/attention.py: cuDNN's fused kernel on
-GPUs, XLA's elsewhere); a mask, for packed documents or alternating windows, and the sinks reach it
-as a mask and a bias. Options (config): QK-norm, sliding windows (on every layer, or alternating
-with full attention), projection biases, and attention sinks.
+GPUs, XLA's elsewhere); windows, packed documents and the sinks reach it as what they are, never as
+an [S, S] mask. Options (config): QK-norm, sliding windows (on every layer, or alternating with
+full attention), projection biases, and attention sinks.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -18,7 +17,7 @@ from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.lora import adapted, adapters
 from jmoe.model.rope import apply_rope, softmax_scale
-from jmoe.ops.attention import attention, same_document
+from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
@@ -103,33 +102,13 @@ class Attention(nnx.Module):
 
   def _attend(self, q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS) -> jax.Array:
     cfg = self.cfg
-    kwargs = dict(scale=softmax_scale(cfg.head_dim, cfg.yarn), kernel=cfg.attention_kernel)
-    windowed_here = cfg.windowed(layer)  # `layer` may be traced (the scan over layers)
-    if self.sinks_H is None and not cfg.full_attention_every and segment_ids_BS is None:
-      # The kernel builds the mask.
-      window = (cfg.sliding_window - 1, 0) if cfg.sliding_window else None  # W keys incl. self
-      return attention(q_BSHA, k_BSGA, v_BSGA, is_causal=True, local_window_size=window,
-                       **kwargs)
-    if self.sinks_H is None and not cfg.sliding_window:  # causal within each document
-      return attention(q_BSHA, k_BSGA, v_BSGA, segment_ids=segment_ids_BS, **kwargs)
-    seq = q_BSHA.shape[1]
-    distance_SS = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]
-    in_window_SS = distance_SS < max(cfg.sliding_window, 1)
-    allowed_11SS = ((distance_SS >= 0) & (jnp.logical_not(windowed_here) | in_window_SS))[None, None]
-    if segment_ids_BS is not None:
-      allowed_11SS = allowed_11SS & same_document(segment_ids_BS)  # now [B, 1, S, S]
-    return self._masked(q_BSHA, k_BSGA, v_BSGA, allowed_11SS)
+    return attention(q_BSHA, k_BSGA, v_BSGA, scale=softmax_scale(cfg.head_dim, cfg.yarn),
+                     kernel=cfg.attention_kernel, window=cfg.sliding_window,
+                     windowed=cfg.windowed(layer), segment_ids=segment_ids_BS,
+                     sinks=None if self.sinks_H is None else self.sinks_H[...])
 
   def _masked(self, q_BSHA, k_BTGA, v_BTGA, allowed_B1ST):
     """Attention where `allowed_B1ST` says which keys each query sees, and the sinks."""
-    kwargs = dict(scale=softmax_scale(self.cfg.head_dim, self.cfg.yarn),
-                  kernel=self.cfg.attention_kernel)
-    if self.sinks_H is None:
-      return attention(q_BSHA, k_BTGA, v_BTGA, mask=allowed_B1ST, **kwargs)
-    # A sink is one more key that every query sees, whose logit is the head's learned sink and
-    # whose value is zero: it only adds exp(sink) to each softmax denominator.
-    pad = lambda t: jnp.pad(t, ((0, 0), (1, 0), (0, 0), (0, 0)))
-    mask_B1ST = jnp.pad(allowed_B1ST, ((0, 0), (0, 0), (0, 0), (1, 0)), constant_values=True)
-    bias_1H1T = jnp.zeros((1, q_BSHA.shape[2], 1, k_BTGA.shape[1] + 1), q_BSHA.dtype)
-    bias_1H1T = bias_1H1T.at[:, :, 0, 0].set(self.sinks_H[...].astype(q_BSHA.dtype))
-    return attention(q_BSHA, pad(k_BTGA), pad(v_BTGA), bias=bias_1H1T, mask=mask_B1ST, **kwargs)
+    return masked_attention(q_BSHA, k_BTGA, v_BTGA, allowed_B1ST,
+                            scale=softmax_scale(self.cfg.head_dim, self.cfg.yarn),
+                            sinks=None if self.sinks_H is None else self.sinks_H[...])

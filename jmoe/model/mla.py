@@ -21,7 +21,7 @@ from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.lora import adapted, adapters
 from jmoe.model.rope import apply_rope, softmax_scale
-from jmoe.ops.attention import attention, causal_document_mask
+from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
@@ -60,8 +60,7 @@ class MLAttention(nnx.Module):
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
                segment_ids_BS: jax.Array | None = None) -> jax.Array:
     q_BSHA, latent_BSR, k_rope_BSp = self._project(x_BSD, positions_BS)
-    mask = None if segment_ids_BS is None else causal_document_mask(segment_ids_BS)
-    return self._attend(q_BSHA, latent_BSR, k_rope_BSp, mask)
+    return self._attend(q_BSHA, latent_BSR, k_rope_BSp, segment_ids=segment_ids_BS)
 
   def cache_shapes(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
     """The latent cache: each token's normalised latent and its shared rotary key."""
@@ -79,7 +78,7 @@ class MLAttention(nnx.Module):
     allowed_B1ST = kv_cache.visible(positions_BS, cache["latent"].shape[1], 0, False)
     dt = q_BSHA.dtype
     return self._attend(q_BSHA, cache["latent"].astype(dt), cache["k_rope"].astype(dt),
-                        allowed_B1ST), cache
+                        allowed_B1ST=allowed_B1ST), cache
 
   def _project(self, x_BSD, positions_BS):
     """The queries (rotary part roped), each token's normalised latent and its roped rotary key."""
@@ -97,21 +96,22 @@ class MLAttention(nnx.Module):
                               rope(q_BSHA[..., m.qk_nope_head_dim:])], axis=-1)
     return q_BSHA, self.kv_a_norm(kv_BSR), rope(k_rope_BSp[:, :, None, :])[:, :, 0]
 
-  def _attend(self, q_BSHA, latent_BTR, k_rope_BTp, mask):
-    """Attention of the queries over the keys and values expanded from the latents (`mask`:
-    which keys each query sees; None: causal)."""
+  def _attend(self, q_BSHA, latent_BTR, k_rope_BTp, segment_ids=None, allowed_B1ST=None):
+    """Attention of the queries over the keys and values expanded from the latents: causal
+    (within each packed document, with `segment_ids`), or where `allowed_B1ST` says (decoding)."""
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     kv_BTHY = adapted(latent_BTR, self.w_kv_b_RHY, 1, self.fp8_kv_b, dt, self.lora, "w_kv_b_RHY")
     k_nope_BTHn, v_BTHW = kv_BTHY[..., :m.qk_nope_head_dim], kv_BTHY[..., m.qk_nope_head_dim:]
     k_rope_BTHp = jnp.broadcast_to(k_rope_BTp[:, :, None, :],
                                    (*k_nope_BTHn.shape[:3], m.qk_rope_head_dim))
     k_BTHA = jnp.concatenate([k_nope_BTHn, k_rope_BTHp], axis=-1)
-    # The attention kernel wants values as wide as keys: pad W up to A, drop the padding after.
-    head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-    v_BTHA = jnp.pad(v_BTHW, ((0, 0), (0, 0), (0, 0), (0, max(head_dim - m.v_head_dim, 0))))
-    q_BSHA, k_BTHA, v_BTHA = (constrain(q_BSHA, Q_AXES), constrain(k_BTHA, KV_AXES),
-                              constrain(v_BTHA, KV_AXES))
-    out_BSHA = attention(q_BSHA, k_BTHA, v_BTHA, mask=mask, is_causal=mask is None,
-                         scale=softmax_scale(head_dim, cfg.yarn), kernel=cfg.attention_kernel)
-    out_BSHW = checkpoint_name(constrain(out_BSHA, Q_AXES)[..., :m.v_head_dim], "attention_out")
+    q_BSHA, k_BTHA, v_BTHW = (constrain(q_BSHA, Q_AXES), constrain(k_BTHA, KV_AXES),
+                              constrain(v_BTHW, KV_AXES))
+    scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.yarn)
+    if allowed_B1ST is None:  # values as they are: the kernels take a value head dim of its own
+      out_BSHW = attention(q_BSHA, k_BTHA, v_BTHW, scale=scale, kernel=cfg.attention_kernel,
+                           segment_ids=segment_ids)
+    else:
+      out_BSHW = masked_attention(q_BSHA, k_BTHA, v_BTHW, allowed_B1ST, scale=scale)
+    out_BSHW = checkpoint_name(constrain(out_BSHW, Q_AXES), "attention_out")
     return adapted(out_BSHW, self.w_o_HWD, 2, self.fp8_o, dt, self.lora, "w_o_HWD")

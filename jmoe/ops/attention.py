@@ -1,31 +1,42 @@
-"""Attention kernels behind one call: `jax.nn.dot_product_attention` through cuDNN or XLA.
+"""Causal attention for training, through the kernel `model.attention_kernel` names.
 
 `ATTENTION_KERNELS` is the list of names `model.attention_kernel` may take (besides `auto`):
-  cudnn  cuDNN's fused kernel (NVIDIA GPUs, 16-bit inputs); a case it refuses runs through XLA's,
-         with the reason logged once
-  xla    XLA's own attention, on any platform
-`auto` is cuDNN on GPUs for bf16/fp16 inputs and XLA's otherwise. Packed documents (causal
-attention within each document, `segment_ids`) reach cuDNN as its packed-sequence form: each
-document's offset and length in its row, so the kernel skips whole blocks across documents
-instead of reading an [S, S] mask; rows with more documents than MAX_SEGMENTS, and XLA's kernel,
-take the mask. Alternating windows and the sinks reach either kernel as a mask and a bias.
+  cudnn  cuDNN's fused flash kernels (NVIDIA GPUs, 16-bit inputs); a case it refuses runs
+         through XLA's, with the reason logged once
+  xla    XLA's own attention over the [S, S] scores, on any platform
+`auto` is cuDNN on GPUs for bf16/fp16 inputs and XLA's otherwise (jmoe/ops/attention_kernels.py
+has both). Each query sees the keys at or before it, within a sliding window if one is given
+(`windowed`, possibly traced, says whether it applies: GPT-OSS alternates windowed and full
+layers inside one loop over layers), within its own packed document if `segment_ids` are given
+(a padding token, id 0, is in none: its output is zero and takes no gradient).
+
+Sinks (GPT-OSS): a learned logit per head added to every softmax denominator, as a key whose value
+is zero. The kernel runs without it and returns its log-sum-exp L; with the sink s the
+denominator's log is L' = log(exp(L) + exp(s)), so the output is the kernel's times exp(L - L').
+The backward runs the kernel's backward with L' and that rescaled output, which is exact for the
+queries, keys and values (attention_kernels.py says why); the sink's own gradient is
+-sum over queries of exp(s - L') rowsum(dout * out). So the sink costs no extra key (a 4,097th key
+is a length cuDNN's training kernels refuse) and no [S, S] bias.
+
+Decoding attends over a cache with an explicit mask: `masked_attention`, through XLA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
+from jmoe.ops.attention_kernels import CUDNN, XLA, AttentionKernel
 
 log = logging.getLogger("jmoe")
+F32 = jnp.float32
 
-# (q_BSHA, k_BSGA, v_BSGA, **dot_product_attention keywords) -> out_BSHA
-AttentionKernel = Callable[..., jax.Array]
+ATTENTION_KERNELS: dict[str, AttentionKernel] = {"cudnn": CUDNN, "xla": XLA}
 
 
 @functools.cache
@@ -33,89 +44,107 @@ def _refused(reason: str) -> None:
   log.warning("cuDNN attention refused a case (%s); it runs through XLA's attention", reason)
 
 
-MAX_SEGMENTS = 64  # documents per row that cuDNN's packed form takes here
-
-
-def same_document(segment_ids_BS: jax.Array) -> jax.Array:
-  """[B, 1, S, S]: whether query and key belong to the same packed document."""
-  return (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])[:, None]
-
-
-def causal_document_mask(segment_ids_BS: jax.Array) -> jax.Array:
-  seq = segment_ids_BS.shape[1]
-  return jnp.tril(jnp.ones((seq, seq), bool))[None, None] & same_document(segment_ids_BS)
-
-
-def packed_segments(segment_ids_BS: jax.Array, max_segments: int):
-  """cuDNN's packed-sequence description of rows of documents (segment ids 1, 2, ... in runs,
-  0 for padding at a row's end): (lengths_BM, offsets_BM1, documents_B), each row's document
-  lengths and start offsets padded with -1 to `max_segments` (offsets: one more)."""
-  prev_BS = jnp.pad(segment_ids_BS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  start_BS = (segment_ids_BS != prev_BS) & (segment_ids_BS > 0)
-  starts_BM = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=-1)[0])(start_BS)
-  starts_BM = starts_BM.astype(jnp.int32)
-  tokens_B1 = jnp.sum(segment_ids_BS > 0, axis=1, dtype=jnp.int32)[:, None]
-  next_BM = jnp.concatenate([starts_BM[:, 1:], jnp.full_like(starts_BM[:, :1], -1)], axis=1)
-  ends_BM = jnp.where(next_BM >= 0, next_BM, tokens_B1)
-  lengths_BM = jnp.where(starts_BM >= 0, ends_BM - starts_BM, -1)
-  offsets_BM1 = jnp.concatenate([starts_BM, jnp.full_like(starts_BM[:, :1], -1)], axis=1)
-  return lengths_BM, offsets_BM1, jnp.sum(start_BS, axis=1)
-
-
-def _cudnn_packed(q_BSHA, k_BSGA, v_BSGA, segment_ids_BS, scale):
-  """Causal attention within each packed document through cuDNN's packed-sequence kernel (JAX's
-  own cuDNN binding, the one `jax.nn.dot_product_attention` calls), in a branch taken when
-  every row has at most MAX_SEGMENTS documents; else with the document mask."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-  lengths_BM, offsets_BM1, documents_B = packed_segments(segment_ids_BS, MAX_SEGMENTS)
-  in_document_BS11 = (segment_ids_BS > 0)[:, :, None, None]
-
-  def packed(q, k, v):
-    out = cudnn_attention.dot_product_attention(
-        q, k, v, q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
-        kv_offsets=offsets_BM1, scale=scale,
-        mask_type=cudnn_attention.MaskType.PADDING_CAUSAL)
-    return jnp.where(in_document_BS11, out, jnp.zeros((), out.dtype))  # padding: no document
-
-  def masked(q, k, v):
-    return _cudnn(q, k, v, mask=causal_document_mask(segment_ids_BS), scale=scale)
-
-  return jax.lax.cond(jnp.max(documents_B) <= MAX_SEGMENTS, packed, masked,
-                      q_BSHA, k_BSGA, v_BSGA)
-
-
-def _xla(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="xla", **kwargs)
-
-
-def _cudnn(q_BSHA, k_BSGA, v_BSGA, **kwargs) -> jax.Array:
-  try:
-    return jax.nn.dot_product_attention(q_BSHA, k_BSGA, v_BSGA, implementation="cudnn", **kwargs)
-  except (ValueError, NotImplementedError, TypeError, RuntimeError) as e:
-    _refused(f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-  return _xla(q_BSHA, k_BSGA, v_BSGA, **kwargs)
-
-
-ATTENTION_KERNELS: dict[str, AttentionKernel] = {"cudnn": _cudnn, "xla": _xla}
-
-
 def auto_kernel(platform: str, dtype) -> str:
   """What `auto` means on `platform` for inputs of `dtype`."""
   return "cudnn" if platform == "gpu" and dtype in (jnp.bfloat16, jnp.float16) else "xla"
 
 
-def attention(q_BSHA, k_BSGA, v_BSGA, *, kernel: str = "auto",
-              segment_ids: jax.Array | None = None, **kwargs) -> jax.Array:
-  """Attention through the kernel named `kernel` (or `auto`'s choice on this platform).
-  `segment_ids` [B, S]: causal attention within each packed document (no other mask then)."""
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  kernel: AttentionKernel
+  scale: float
+  window: int  # 0: none; else applied where `windowed` (an argument) is true
+
+
+def _run(static: _Static, windowed, run):
+  """`run(window)` with the window where `windowed` holds and none elsewhere."""
+  if windowed is None:
+    return run(static.window)
+  return jax.lax.cond(windowed, lambda: run(static.window), lambda: run(0))
+
+
+def _in_documents(segment_ids_BS, x_BSHW):
+  """Padding tokens (segment id 0) belong to no document: their outputs are zero and nothing
+  flows back from them, whichever kernel ran."""
+  if segment_ids_BS is None:
+    return x_BSHW
+  return jnp.where((segment_ids_BS > 0)[:, :, None, None], x_BSHW, jnp.zeros((), x_BSHW.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static):
+  return _forward(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static)[0]
+
+
+def _forward(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static):
+  kernel = static.kernel
+  out_BSHW, lse_BHS = _run(static, windowed, lambda window: kernel.forward(
+      q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, scale=static.scale, window=window))
+  if sinks_H is not None:
+    lse_with_sink_BHS = jnp.logaddexp(lse_BHS, sinks_H.astype(F32)[None, :, None])
+    kept_BSH1 = jnp.exp(lse_BHS - lse_with_sink_BHS).transpose(0, 2, 1)[..., None]
+    out_BSHW = (out_BSHW.astype(F32) * kept_BSH1).astype(out_BSHW.dtype)
+    lse_BHS = lse_with_sink_BHS
+  out_BSHW = _in_documents(segment_ids_BS, out_BSHW)
+  residuals = (q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, out_BSHW, lse_BHS)
+  return out_BSHW, residuals
+
+
+def _backward(static, residuals, dout_BSHW):
+  q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, out_BSHW, lse_BHS = residuals
+  dout_BSHW = _in_documents(segment_ids_BS, dout_BSHW)
+  dq, dk, dv = _run(static, windowed, lambda window: static.kernel.backward(
+      q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS,
+      scale=static.scale, window=window))
+  dsinks_H = None
+  if sinks_H is not None:
+    rowsum_BSH = jnp.einsum("bshw,bshw->bsh", dout_BSHW.astype(F32), out_BSHW.astype(F32))
+    sink_share_BHS = jnp.exp(sinks_H.astype(F32)[None, :, None] - lse_BHS)
+    dsinks_H = -jnp.einsum("bhs,bsh->h", sink_share_BHS, rowsum_BSH).astype(sinks_H.dtype)
+  return dq, dk, dv, dsinks_H, None, None
+
+
+_attention.defvjp(_forward, _backward)
+
+
+def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale: float,
+              kernel: str = "auto", window: int = 0, windowed=True,
+              segment_ids: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
+  """Causal attention [B, S, H, W] of queries [B, S, H, A] over keys [B, S, G, A] and values
+  [B, S, G, W] (query head h reads key head h // (H / G)). `window`: each query sees its last
+  `window` keys, itself included (0: all before it), where `windowed` (a bool, or a traced one)
+  holds. `segment_ids` [B, S]: within each packed document only. `sinks` [H]: each head's sink
+  logit (see the module doc)."""
   if kernel == "auto":
     kernel = auto_kernel(jax.default_backend(), q_BSHA.dtype)
-  fn = choice("model.attention_kernel", kernel, ATTENTION_KERNELS)
-  if segment_ids is None:
-    return fn(q_BSHA, k_BSGA, v_BSGA, **kwargs)
-  if fn is _cudnn:
-    try:
-      return _cudnn_packed(q_BSHA, k_BSGA, v_BSGA, segment_ids, kwargs["scale"])
-    except (ValueError, NotImplementedError, TypeError, RuntimeError, ImportError) as e:
-      _refused(f"packed documents: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-  return fn(q_BSHA, k_BSGA, v_BSGA, mask=causal_document_mask(segment_ids), **kwargs)
+  chosen = choice("model.attention_kernel", kernel, ATTENTION_KERNELS)
+  reason = chosen.refusal(q_BSHA, k_BTGA, v_BTGW, segment_ids, window)
+  if reason is not None:
+    _refused(reason)
+    chosen = XLA
+  if not window or isinstance(windowed, bool):  # known now: no branch at run time
+    window, windowed = (window if windowed else 0), None
+  else:
+    windowed = jnp.asarray(windowed, bool)
+  static = _Static(chosen, float(scale), int(window))
+  return _attention(q_BSHA, k_BTGA, v_BTGW, sinks, windowed, segment_ids, static)
+
+
+def masked_attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array,
+                     allowed_B1ST: jax.Array, *, scale: float,
+                     sinks: jax.Array | None = None) -> jax.Array:
+  """Attention where `allowed_B1ST` says which keys each query sees (decoding over a cache), with
+  the sinks as one more term in each denominator. Through XLA: a few new queries at a time."""
+  b, s, h, _ = q_BSHA.shape
+  g = k_BTGA.shape[2]
+  q_BSGRA = q_BSHA.reshape(b, s, g, h // g, -1)
+  logits = jnp.einsum("bsgra,btga->bgrst", q_BSGRA, k_BTGA, preferred_element_type=F32) * scale
+  allowed = allowed_B1ST[:, :, None]  # [B, 1, 1, S, T]
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+  if sinks is not None:
+    lse = jnp.logaddexp(lse, sinks.astype(F32).reshape(1, g, h // g, 1, 1))
+  p = jnp.where(allowed, jnp.exp(logits - lse), 0.0)
+  out = jnp.einsum("bgrst,btgw->bsgrw", p.astype(v_BTGW.dtype), v_BTGW,
+                   preferred_element_type=F32)
+  return out.reshape(b, s, h, -1).astype(q_BSHA.dtype)

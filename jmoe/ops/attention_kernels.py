@@ -1,0 +1,247 @@
+"""Causal softmax attention kernels that return the softmax's log-sum-exp and take it back in the
+backward pass, so that jmoe/ops/attention.py can change the softmax's denominator (the sinks)
+around them under one custom VJP.
+
+A kernel is a forward and a backward over the same pattern of visible keys: query s sees key t
+when t <= s, s - t < window (0: no window), and both lie in the same packed document when
+`segment_ids_BS` is given (ids 1, 2, ... in runs; 0 for padding at a row's end).
+  forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, *, scale, window) -> (out_BSHW, lse_BHS)
+  backward(q, k, v, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS, *, scale, window)
+      -> (dq, dk, dv)
+lse is float32, the natural log of each query's softmax denominator over its visible keys (scaled
+logits). The backward takes the output and the log-sum-exp the probabilities are to be formed with,
+which need not be the forward's own: with P = exp(scale q.k - lse) and D = rowsum(dout * out),
+  dv = P^T dout,  dS = P * (dout.v - D),  dq = scale dS.k,  dk = scale dS^T.q,
+which is exact for any extra term in the denominator whose value is zero (a sink), given that term's
+lse and output. Heads: query head h uses key/value head h // (H / G). The value head dim W may
+differ from the query/key head dim A (multi-head latent attention).
+
+  cudnn  cuDNN's flash kernels through JAX's own binding (its forward with the statistics, its
+         backward primitive fed jmoe's); packed documents as cuDNN's packed-sequence form (each
+         document's offset and length, whole blocks across documents skipped), with more than
+         MAX_SEGMENTS documents in a row taking XLA's kernel in a branch
+  xla    einsums over the [S, T] scores with the pattern as a mask; any platform, the reference
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+MAX_SEGMENTS = 64  # documents per row that cuDNN's packed form takes here
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKernel:
+  forward: Callable
+  backward: Callable
+  # (q, k, v, segment_ids, window) -> why this kernel cannot take the case, or None
+  refusal: Callable = lambda *args: None
+
+
+# --- XLA: the scores as an [S, T] array per head ---
+
+def visible(seq: int, window: int, segment_ids_BS: jax.Array | None) -> jax.Array:
+  """[B or 1, 1, 1, S, T]: which keys each query sees (broadcast over key and query heads)."""
+  s_S1, t_1T = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+  allowed_ST = t_1T <= s_S1
+  if window:
+    allowed_ST &= s_S1 - t_1T < window
+  allowed_BST = allowed_ST[None]
+  if segment_ids_BS is not None:
+    allowed_BST = allowed_BST & (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])
+  return allowed_BST[:, None, None]
+
+
+def _heads_major(x_BSHA, groups):
+  """[B, G, R, S, A]: the R query heads of each key head, each head's tokens together, so that
+  every product below has its batch dimensions first (no transposed copy of the scores)."""
+  b, s, h, a = x_BSHA.shape
+  return x_BSHA.reshape(b, s, groups, h // groups, a).transpose(0, 2, 3, 1, 4)
+
+
+def _tokens_major(x_BGRSA):
+  b, g, r, s, a = x_BGRSA.shape
+  return x_BGRSA.transpose(0, 3, 1, 2, 4).reshape(b, s, g * r, a)
+
+
+def _logits(q_BGRSA, k_BGTA, scale):
+  return jnp.einsum("bgrsa,bgta->bgrst", q_BGRSA, k_BGTA, preferred_element_type=F32) * scale
+
+
+def xla_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
+  b, s, h, _ = q_BSHA.shape
+  g = k_BTGA.shape[2]
+  allowed = visible(s, window, segment_ids_BS)
+  logits = _logits(_heads_major(q_BSHA, g), k_BTGA.transpose(0, 2, 1, 3), scale)
+  logits = jnp.where(allowed, logits, -jnp.inf)
+  lse_BGRS = jax.nn.logsumexp(logits, axis=-1)
+  p = jnp.exp(logits - lse_BGRS[..., None])
+  out_BGRSW = jnp.einsum("bgrst,bgtw->bgrsw", p.astype(v_BTGW.dtype),
+                         v_BTGW.transpose(0, 2, 1, 3), preferred_element_type=F32)
+  return _tokens_major(out_BGRSW).astype(q_BSHA.dtype), lse_BGRS.reshape(b, h, s)
+
+
+def xla_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None, *,
+                 scale, window):
+  b, s, h, _ = q_BSHA.shape
+  g = k_BTGA.shape[2]
+  q_BGRSA = _heads_major(q_BSHA, g)
+  k_BGTA, v_BGTW = k_BTGA.transpose(0, 2, 1, 3), v_BTGW.transpose(0, 2, 1, 3)
+  dout_BGRSW = _heads_major(dout_BSHW, g)
+  logits = jnp.where(visible(s, window, segment_ids_BS), _logits(q_BGRSA, k_BGTA, scale),
+                     -jnp.inf)
+  p = jnp.exp(logits - lse_BHS.reshape(b, g, h // g, s)[..., None])
+  d_BGRS = jnp.einsum("bgrsw,bgrsw->bgrs", dout_BGRSW, _heads_major(out_BSHW, g),
+                      preferred_element_type=F32)
+  dv_BGTW = jnp.einsum("bgrst,bgrsw->bgtw", p, dout_BGRSW, preferred_element_type=F32)
+  dp = jnp.einsum("bgrsw,bgtw->bgrst", dout_BGRSW, v_BGTW, preferred_element_type=F32)
+  ds = p * (dp - d_BGRS[..., None]) * scale
+  dq_BGRSA = jnp.einsum("bgrst,bgta->bgrsa", ds, k_BGTA, preferred_element_type=F32)
+  dk_BGTA = jnp.einsum("bgrst,bgrsa->bgta", ds, q_BGRSA, preferred_element_type=F32)
+  return (_tokens_major(dq_BGRSA).astype(q_BSHA.dtype),
+          dk_BGTA.transpose(0, 2, 1, 3).astype(k_BTGA.dtype),
+          dv_BGTW.transpose(0, 2, 1, 3).astype(v_BTGW.dtype))
+
+
+XLA = AttentionKernel(xla_forward, xla_backward)
+
+
+# --- cuDNN ---
+
+def packed_segments(segment_ids_BS: jax.Array, max_segments: int):
+  """cuDNN's packed-sequence description of rows of documents (segment ids 1, 2, ... in runs,
+  0 for padding at a row's end): (lengths_BM, offsets_BM1, documents_B), each row's document
+  lengths and start offsets padded with -1 to `max_segments` (offsets: one more)."""
+  prev_BS = jnp.pad(segment_ids_BS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  start_BS = (segment_ids_BS != prev_BS) & (segment_ids_BS > 0)
+  starts_BM = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=-1)[0])(start_BS)
+  starts_BM = starts_BM.astype(jnp.int32)
+  tokens_B1 = jnp.sum(segment_ids_BS > 0, axis=1, dtype=jnp.int32)[:, None]
+  next_BM = jnp.concatenate([starts_BM[:, 1:], jnp.full_like(starts_BM[:, :1], -1)], axis=1)
+  ends_BM = jnp.where(next_BM >= 0, next_BM, tokens_B1)
+  lengths_BM = jnp.where(starts_BM >= 0, ends_BM - starts_BM, -1)
+  offsets_BM1 = jnp.concatenate([starts_BM, jnp.full_like(starts_BM[:, :1], -1)], axis=1)
+  return lengths_BM, offsets_BM1, jnp.sum(start_BS, axis=1)
+
+
+def _statistics_index(segment_ids_BS, offsets_BM1, documents_B):
+  """Where each token's softmax statistic lies in cuDNN's packed statistics [N, H, S], N = B x
+  MAX_SEGMENTS: the documents of all rows one after another (row 0's first), each document's
+  tokens from its own start. Returns (document_BS, within_BS), the index of the token's document
+  in that order and its place in it; a padding token's document is N (past the end)."""
+  batch, seq = segment_ids_BS.shape
+  changes_BS = jnp.pad(segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1], ((0, 0), (1, 0)))
+  in_row_BS = jnp.cumsum(changes_BS, axis=1)  # the token's document among its row's
+  before_B1 = (jnp.cumsum(documents_B) - documents_B)[:, None]
+  first_BS = jnp.take_along_axis(offsets_BM1, jnp.clip(in_row_BS, 0, MAX_SEGMENTS - 1), axis=1)
+  in_document_BS = segment_ids_BS > 0
+  document_BS = jnp.where(in_document_BS, before_B1 + in_row_BS, batch * MAX_SEGMENTS)
+  within_BS = jnp.where(in_document_BS, jnp.arange(seq)[None] - first_BS, 0)
+  return document_BS, within_BS
+
+
+def _in_documents(segment_ids_BS, x_BS__):
+  """x where the token lies in a document, zero on padding tokens."""
+  in_document = (segment_ids_BS > 0).reshape(segment_ids_BS.shape + (1,) * (x_BS__.ndim - 2))
+  return jnp.where(in_document, x_BS__, jnp.zeros((), x_BS__.dtype))
+
+
+def _cudnn_module():
+  from jax._src.cudnn import fused_attention_stablehlo
+  return fused_attention_stablehlo
+
+
+def _cudnn_refusal(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, window):
+  """Why cuDNN's flash kernels cannot take this case (JAX's own checks, as its training path
+  runs them), or None."""
+  try:
+    cudnn = _cudnn_module()
+    layout = cudnn.AttentionLayout.BTNH
+    cudnn.check_layout(q_BSHA, k_BTGA, v_BTGW, None, None, None, None, None, None, None, layout)
+    cudnn.check_is_flash_attention(q_BSHA, k_BTGA, v_BTGW, layout.value,
+                                   cudnn.check_cudnn_version(), False, True,
+                                   segment_ids_BS is not None)
+  except (ValueError, NotImplementedError, TypeError, RuntimeError, ImportError) as e:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+  if q_BSHA.shape[2] % k_BTGA.shape[2]:
+    return "query heads are not a multiple of key heads"
+  return None
+
+
+def _cudnn_call(segment_ids_BS, window):
+  """The sequence-length and offset arguments and the mask type of a cuDNN call."""
+  cudnn = _cudnn_module()
+  kw = dict(sliding_window_length=window or None, mask_type=cudnn.MaskType.CAUSAL)
+  if segment_ids_BS is None:
+    return kw, None
+  lengths_BM, offsets_BM1, documents_B = packed_segments(segment_ids_BS, MAX_SEGMENTS)
+  kw.update(q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
+            kv_offsets=offsets_BM1, mask_type=cudnn.MaskType.PADDING_CAUSAL)
+  return kw, (offsets_BM1, documents_B)
+
+
+def _packed_fits(segment_ids_BS, call):
+  """Whether every row has at most MAX_SEGMENTS documents (else XLA's kernel runs)."""
+  return jnp.max(call[1]) <= MAX_SEGMENTS
+
+
+def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
+  cudnn = _cudnn_module()
+  kw, packed = _cudnn_call(segment_ids_BS, window)
+
+  def fused(q, k, v):
+    out, stats = cudnn.dot_product_attention(q, k, v, scale=scale, return_residual=True, **kw)
+    if packed is None:
+      return out, stats  # [B, H, S]
+    document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
+    heads_1H1 = jnp.arange(q.shape[2])[None, :, None]
+    lse_BHS = stats.at[document_BS[:, None, :], heads_1H1, within_BS[:, None, :]].get(
+        mode="fill", fill_value=0.0)
+    return _in_documents(segment_ids_BS, out), lse_BHS
+
+  if packed is None:
+    return fused(q_BSHA, k_BTGA, v_BTGW)
+  unpacked = lambda q, k, v: xla_forward(q, k, v, segment_ids_BS, scale=scale, window=window)
+  return jax.lax.cond(_packed_fits(segment_ids_BS, packed), fused, unpacked,
+                      q_BSHA, k_BTGA, v_BTGW)
+
+
+def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None,
+                    *, scale, window):
+  cudnn = _cudnn_module()
+  kw, packed = _cudnn_call(segment_ids_BS, window)
+  unused = jnp.zeros(0, q_BSHA.dtype)
+
+  def fused(q, k, v, out, lse_BHS, dout):
+    stats = lse_BHS
+    if packed is not None:  # back to cuDNN's packed order: [B x MAX_SEGMENTS, H, S]
+      b, s, h = q.shape[0], q.shape[1], q.shape[2]
+      document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
+      stats = jnp.zeros((b * MAX_SEGMENTS, h, s), F32).at[
+          document_BS[:, None, :], jnp.arange(h)[None, :, None], within_BS[:, None, :]].set(
+              lse_BHS, mode="drop")
+      dout = _in_documents(segment_ids_BS, dout)
+    args = [kw.get(name, unused) for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")]
+    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, *args, unused, unused, stats, out, dout, scale=scale, seed=42,
+        dropout_rate=0.0, variadic_args=(False, False), mask_type=kw["mask_type"],
+        layout=cudnn.AttentionLayout.BTNH.value,
+        sliding_window_length=kw["sliding_window_length"])[:3]
+    if packed is None:
+      return tuple(grads)
+    # Padding tokens take part in no document: their rows of the gradients are zero.
+    return tuple(_in_documents(segment_ids_BS, g) for g in grads)
+
+  args = (q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW)
+  if packed is None:
+    return fused(*args)
+  unpacked = lambda *a: xla_backward(*a, segment_ids_BS, scale=scale, window=window)
+  return jax.lax.cond(_packed_fits(segment_ids_BS, packed), fused, unpacked, *args)
+
+
+CUDNN = AttentionKernel(_cudnn_forward, _cudnn_backward, _cudnn_refusal)

@@ -1,0 +1,117 @@
+"""Training attention (jmoe/ops/attention.py) against the plain softmax over every key, with the
+sinks as one more key whose value is zero: outputs and every gradient, the sinks' own included."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import plain_attention as plain
+from jmoe.ops import attention_kernels
+from jmoe.ops.attention import attention, masked_attention
+
+
+def inputs(seed=0, b=2, s=24, h=4, g=2, a=8, w=8):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  q = jax.random.normal(keys[0], (b, s, h, a))
+  k = jax.random.normal(keys[1], (b, s, g, a))
+  v = jax.random.normal(keys[2], (b, s, g, w))
+  sinks = jax.random.normal(keys[3], (h,))
+  dout = jax.random.normal(keys[4], (b, s, h, w))
+  return q, k, v, sinks, dout
+
+
+SEGMENTS = jnp.asarray([[1] * 10 + [2] * 9 + [3] * 3 + [0] * 2,
+                        [1] * 24], jnp.int32)
+
+
+def compare(ours, reference, args, dout, rtol=2e-5):
+  out, vjp = jax.vjp(ours, *args)
+  out_ref, vjp_ref = jax.vjp(reference, *args)
+  np.testing.assert_allclose(out, out_ref, rtol=rtol, atol=rtol)
+  for got, want in zip(vjp(dout), vjp_ref(dout)):
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize("packed", [False, True])
+def test_attention_equals_the_plain_softmax(sinks, window, packed):
+  q, k, v, sink_H, dout = inputs()
+  segments = SEGMENTS if packed else None
+  mask = lambda o: o if segments is None else o * (segments > 0)[:, :, None, None]
+  # Padding tokens belong to no document: zero outputs, no gradient (the sinks' included).
+  ours = lambda q, k, v, s: attention(q, k, v, scale=0.3, kernel="xla", window=window,
+                                      segment_ids=segments, sinks=s if sinks else None)
+  ref = lambda q, k, v, s: mask(plain(q, k, v, s if sinks else None, scale=0.3, window=window,
+                                      segments_BS=segments))
+  compare(ours, ref, (q, k, v, sink_H), dout)
+
+
+def test_value_heads_may_be_narrower_than_query_heads():
+  """Multi-head latent attention: queries and keys of 12 dims, values of 8, no padding."""
+  q, k, v, _, dout = inputs(a=12, w=8)
+  ours = lambda q, k, v: attention(q, k, v, scale=0.2, kernel="xla")
+  ref = lambda q, k, v: plain(q, k, v, None, scale=0.2)
+  compare(ours, ref, (q, k, v), dout)
+
+
+def test_alternating_windows_chosen_by_a_traced_layer_index():
+  """In a loop over layers the layer index is traced: even layers windowed, odd ones full."""
+  q, k, v, sinks, dout = inputs()
+
+  def layers(q, k, v, sinks, attend):
+    def body(x, layer):
+      return x, attend(q + x, k, v, sinks, layer % 2 == 0)
+    return jax.lax.scan(body, jnp.zeros(()), jnp.arange(2))[1]  # [2, B, S, H, W]
+
+  ours = functools.partial(layers, attend=lambda q, k, v, s, w: attention(
+      q, k, v, scale=0.3, kernel="xla", window=3, windowed=w, sinks=s))
+  ref = functools.partial(layers, attend=lambda q, k, v, s, w: jax.lax.cond(
+      w, lambda: plain(q, k, v, s, scale=0.3, window=3), lambda: plain(q, k, v, s, scale=0.3)))
+  compare(ours, ref, (q, k, v, sinks), jnp.stack([dout, 2 * dout]))
+  out = ours(q, k, v, sinks)
+  assert not np.allclose(out[0], out[1])  # the two layers did attend differently
+
+
+def test_a_refused_case_runs_through_xla():
+  """cuDNN's kernels refuse float32 (and everything off GPUs): `cudnn` then gives XLA's result."""
+  q, k, v, sinks, _ = inputs()
+  assert attention_kernels.CUDNN.refusal(q, k, v, None, 0) is not None
+  np.testing.assert_array_equal(attention(q, k, v, scale=0.3, kernel="cudnn", sinks=sinks),
+                                attention(q, k, v, scale=0.3, kernel="xla", sinks=sinks))
+
+
+def test_masked_attention_is_the_plain_softmax():
+  q, k, v, sinks, _ = inputs()
+  pos = jnp.arange(24)
+  allowed = ((pos[None, :] <= pos[:, None]) & (pos[:, None] - pos[None, :] < 4))[None, None]
+  np.testing.assert_allclose(
+      masked_attention(q, k, v, jnp.broadcast_to(allowed, (2, 1, 24, 24)), scale=0.3,
+                       sinks=sinks),
+      plain(q, k, v, sinks, scale=0.3, window=4), rtol=2e-5, atol=2e-5)
+
+
+def test_packed_statistics_index_follows_the_documents_of_every_row():
+  """cuDNN's packed statistics hold the documents of all rows one after another, each from its
+  own start: the index of every token there, against a loop over the rows."""
+  segments = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0],
+                          [1, 1, 1, 1, 1, 1, 1, 1],
+                          [4, 4, 7, 7, 7, 7, 9, 0]], jnp.int32)
+  _, offsets, documents = attention_kernels.packed_segments(segments, 4)
+  document, within = attention_kernels._statistics_index(segments, offsets, documents)
+  expected_document, expected_within, before = [], [], 0
+  for row in np.asarray(segments):
+    d, w, count, start = [], [], -1, 0
+    for i, seg in enumerate(row):
+      if seg > 0 and (i == 0 or row[i - 1] != seg):
+        count, start = count + 1, i
+      d.append(before + count if seg > 0 else 3 * attention_kernels.MAX_SEGMENTS)
+      w.append(i - start if seg > 0 else 0)
+    before += count + 1
+    expected_document.append(d)
+    expected_within.append(w)
+  np.testing.assert_array_equal(document, expected_document)
+  np.testing.assert_array_equal(within, expected_within)
