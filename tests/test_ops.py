@@ -75,3 +75,19 @@ def test_one_call_per_batch_vmaps_a_kernel_without_a_batching_rule(batch):
   for b in range(batch):
     np.testing.assert_allclose(y_BXF[b], _ragged_on_host(x_BXD[b], w_EDF, sizes_BE[b]),
                                rtol=1e-6, atol=1e-6)
+
+
+def test_row_entries_take_their_gradient_without_a_scatter():
+  """take_rows' gradient (each group's rows summed) equals the plain gather's, and is a GEMM, not
+  a scatter-add (which serialises on GPUs when many rows share few groups)."""
+  from jmoe.ops.rows import take_rows
+  keys = jax.random.split(jax.random.key(0), 2)
+  a_EF = jax.random.normal(keys[0], (5, 3, 4))
+  group_X = jnp.asarray([0, 0, 1, 3, 3, 3, 4, 5, 5, 2, 0], jnp.int32)  # 5: no group
+  dy_XF = jax.random.normal(keys[1], (11, 3, 4))
+  plain = lambda a: jnp.take(a, group_X, axis=0, mode="fill", fill_value=0)
+  np.testing.assert_array_equal(take_rows(a_EF, group_X), plain(a_EF))
+  ours = jax.vjp(lambda a: take_rows(a, group_X), a_EF)[1](dy_XF)[0]
+  np.testing.assert_allclose(ours, jax.vjp(plain, a_EF)[1](dy_XF)[0], rtol=1e-6, atol=1e-6)
+  backward = str(jax.make_jaxpr(jax.grad(lambda a: jnp.sum(take_rows(a, group_X) * dy_XF)))(a_EF))
+  assert "scatter" not in backward and "dot_general" in backward

@@ -28,9 +28,26 @@ def members(group_sizes_E: jax.Array, num_rows: int) -> jax.Array:
   return (rows_X1 >= ends_E - group_sizes_E) & (rows_X1 < ends_E)
 
 
+@jax.custom_vjp
 def take_rows(a_E: jax.Array, group_X: jax.Array) -> jax.Array:
-  """Each row's entry of a per-group array; rows in no group get zeros."""
+  """Each row's entry of a per-group array; rows in no group get zeros. Its gradient sums each
+  group's rows as one GEMM with the rows' one-hot groups: a scatter-add of many rows into few
+  groups (experts' biases: 65,536 rows into 32) serialises on GPUs, 1.9 s of a 2.1 s step."""
   return jnp.take(a_E, group_X, axis=0, mode="fill", fill_value=0)
+
+
+def _take_rows_fwd(a_E, group_X):
+  return take_rows(a_E, group_X), (a_E, group_X)
+
+
+def _take_rows_bwd(residuals, dy_X):
+  a_E, group_X = residuals
+  one_hot_XE = (group_X[:, None] == jnp.arange(a_E.shape[0])).astype(dy_X.dtype)
+  da_E = jnp.tensordot(one_hot_XE, dy_X, axes=(0, 0), preferred_element_type=jnp.float32)
+  return da_E.astype(a_E.dtype), None
+
+
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
 @jax.custom_vjp
