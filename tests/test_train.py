@@ -175,3 +175,21 @@ def test_a_step_that_is_not_applied_changes_nothing():
   for a, b in zip(jax.tree.leaves((params2, state2)), jax.tree.leaves((params1, state1))):
     np.testing.assert_array_equal(a, b)
   assert int(state2.count) == int(state1.count) == 1
+
+
+def test_global_norm_summed_a_layer_at_a_time_is_the_norm():
+  """The gradient norm over stacked layers' slices (each layer's own array) equals the norm of
+  the whole tree, and does slice the stacks (the point of it: no sum over a stacked gradient)."""
+  import optax
+  from flax import nnx
+  from helpers import build
+  from jmoe.train.optimizer import global_norm
+  params = nnx.state(build(tiny_config(model=dict(num_layers=3))), nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(0), 100))
+  grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+  expected = float(optax.tree.norm(grads))
+  assert abs(float(global_norm(grads)) - expected) < 1e-5 * expected
+  assert float(global_norm(grads, by_layer=False)) == pytest.approx(expected, rel=1e-6)
+  sliced = str(jax.make_jaxpr(global_norm)(grads)).count(" slice[")
+  assert sliced >= 3 and " slice[" not in str(jax.make_jaxpr(
+      lambda g: global_norm(g, by_layer=False))(grads))

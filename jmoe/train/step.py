@@ -16,7 +16,7 @@ from jmoe.ops.cross_entropy import linear_cross_entropy
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, active_layout, constrain
 from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
-from jmoe.train.optimizer import AdamW, learning_rate
+from jmoe.train.optimizer import AdamW, global_norm, learning_rate
 from jmoe.train.state import StateSpec, TrainState, frozen
 
 
@@ -143,7 +143,8 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     grads, histories, metrics = gradients(state.params, state.rest, batch, rng)
     others = nnx.split_state(state.rest, Fp8History, ...)[1]
 
-    metrics["grad_norm"] = optax.tree.norm(grads)
+    # Pipeline stages split the stacks' layers over devices: a layer's slice would move.
+    metrics["grad_norm"] = global_norm(grads, by_layer=config.parallel.pipeline == 1)
     metrics["lr"] = schedule(state.step)
     # A step whose gradient is not finite (as a non-finite loss makes it) changes nothing but
     # the step count: its update is selected away inside the optimizer's own pass over the
