@@ -150,6 +150,7 @@ def with_peer(argv: list[str], config: str, overrides: list[str], record_path: s
 
 def peer_fields(figures: dict, tflops: float) -> dict:
   return {"peer": figures["peer"], "peer_experts": figures["experts_implementation"],
+          "peer_attention": figures["attention"],
           "peer_step_ms": figures["step_ms"],
           "peer_tokens_per_s_per_device": figures["tokens_per_s_per_device"],
           "peer_tflops_per_device": figures["tflops_per_device"],

@@ -1,13 +1,15 @@
 """The PyTorch peer: a Hugging Face transformers training step on the same model config and batch.
 
   python scripts/hf_peer.py --config configs/bench/qwen3_30b_a3b_1gpu.py
-      [--experts-implementation grouped_mm] [--steps 5] [--warmup 2]
+      [--experts-implementation grouped_mm] [--attn-implementation auto] [--steps 5] [--warmup 2]
 
 Builds the transformers model that `jmoe.convert export-hf` would write for the config (its
-architecture from `model.family`), with random weights in bf16, sdpa attention and PyTorch's fused
-AdamW, and times full steps (forward, backward, update) on random tokens. Prints one JSON line with
-the same fields and the same FLOP count as scripts/benchmark.py, so the two compare directly. Needs
-torch and transformers (present on the GPU image; not a jmoe dependency).
+architecture from `model.family`), with random weights in bf16, the fastest attention transformers
+offers for that architecture (ATTENTION below; `--attn-implementation` names one instead) and
+PyTorch's fused AdamW, and times full steps (forward, backward, update) on random tokens. Prints
+one JSON line with the same fields and the same FLOP count as scripts/benchmark.py, so the two
+compare directly, and the attention it ran. Needs torch and transformers (present on the GPU
+image; not a jmoe dependency).
 """
 
 from __future__ import annotations
@@ -17,11 +19,41 @@ import json
 import sys
 import time
 
+# Attention implementations to ask transformers for under `auto`, fastest first; one that
+# transformers refuses when the model is built falls to the next. GPT-OSS's attention sinks keep it
+# off sdpa (its _supports_sdpa is False in transformers 5.17); flex attention applies them from its
+# log-sum-exp, eager from the full score matrix.
+ATTENTION = {
+    "Qwen3MoeForCausalLM": ("sdpa",),
+    "MixtralForCausalLM": ("sdpa",),
+    "DeepseekV3ForCausalLM": ("sdpa",),
+    "GptOssForCausalLM": ("flex_attention", "eager"),
+}
+
+
+def attention_choices(architecture: str, requested: str = "auto") -> tuple[str, ...]:
+  return ATTENTION[architecture] if requested == "auto" else (requested,)
+
+
+def build_model(architecture, hf_config, choices: tuple[str, ...], **kwargs):
+  """`architecture` (a transformers class) built with the first of `choices` that transformers
+  accepts for it, and the attention implementation the model then runs."""
+  for name in choices[:-1]:
+    try:  # transformers checks the choice first thing in the constructor, before any weight
+      model = architecture._from_config(hf_config, attn_implementation=name, **kwargs)
+      return model, model.config._attn_implementation
+    except (ValueError, ImportError):
+      pass
+  model = architecture._from_config(hf_config, attn_implementation=choices[-1], **kwargs)
+  return model, model.config._attn_implementation
+
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--experts-implementation", default="grouped_mm")
+  parser.add_argument("--attn-implementation", default="auto",
+                      help="auto: the fastest transformers accepts for the architecture")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=2)
   from jmoe.cli import split_overrides
@@ -42,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
   architecture = getattr(transformers, family.architecture)
   torch.manual_seed(0)
   with torch.device("cuda"):  # initialised on the GPU: a CPU init of billions of weights is slow
-    model = architecture._from_config(
-        hf_config, attn_implementation="sdpa", dtype=torch.bfloat16,
-        experts_implementation=args.experts_implementation)
+    model, attention = build_model(
+        architecture, hf_config, attention_choices(family.architecture, args.attn_implementation),
+        dtype=torch.bfloat16, experts_implementation=args.experts_implementation)
   optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
   batch_size, seq = config.train.batch_size, config.data.seq_len
   tokens = torch.randint(0, config.model.vocab_size, (batch_size, seq), device="cuda")
@@ -69,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
   print(json.dumps({
       "peer": f"transformers {transformers.__version__} / torch {torch.__version__}",
       "config": args.config, "architecture": family.architecture,
-      "experts_implementation": args.experts_implementation, "layers": config.model.num_layers,
+      "experts_implementation": args.experts_implementation, "attention": attention,
+      "layers": config.model.num_layers,
       "batch": batch_size, "seq_len": seq, "step_ms": round(step_s * 1e3, 2),
       "tokens_per_s_per_device": round(tokens_per_s), "tflops_per_device": round(tflops, 1),
       "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),

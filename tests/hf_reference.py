@@ -11,6 +11,9 @@ under jmoe's own Python.
   python hf_reference.py chat TOKENIZER_DIR CONVERSATIONS_JSON OUT_JSON
       each conversation through apply_chat_template: its text, and (for templates with
       {% generation %} blocks) its token ids and assistant mask
+  python hf_reference.py attention HF_CONFIGS_JSON OUT_JSON
+      each config.json (as export-hf writes it) built on the CPU as scripts/hf_peer.py builds it:
+      the attention implementations transformers accepts for it, and the one `auto` runs
 """
 
 import json
@@ -106,5 +109,28 @@ def mxfp4(model_dir, out_dir, seed):
     (out_dir / kind / "config.json").write_text(json.dumps(saved))
 
 
+def attention(hf_configs_json, out_json):
+  import pathlib
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  from hf_peer import attention_choices, build_model
+  out = {}
+  for hf in json.load(open(hf_configs_json)):
+    name = hf["architectures"][0]
+    config = transformers.AutoConfig.for_model(
+        hf["model_type"], **{k: v for k, v in hf.items() if k != "model_type"})
+    accepts = []
+    for implementation in ("eager", "sdpa", "flex_attention"):
+      try:
+        build_model(getattr(transformers, name), config, (implementation,), dtype=torch.bfloat16)
+        accepts.append(implementation)
+      except (ValueError, ImportError):
+        pass
+    _, auto = build_model(getattr(transformers, name), config, attention_choices(name),
+                          dtype=torch.bfloat16)
+    out[name] = {"accepts": accepts, "auto": auto}
+  json.dump(out, open(out_json, "w"))
+
+
 if __name__ == "__main__":
-  {"build": build, "logprobs": logprobs, "chat": chat, "mxfp4": mxfp4}[sys.argv[1]](*sys.argv[2:])
+  {"build": build, "logprobs": logprobs, "chat": chat, "mxfp4": mxfp4,
+   "attention": attention}[sys.argv[1]](*sys.argv[2:])

@@ -9,6 +9,7 @@ from flax import nnx
 
 from jmoe.config import load_config
 from jmoe.model.factory import model_factory
+from jmoe.train.flops import model_flops_per_token
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLISHED = {  # config file: (total, active) parameters as their authors state them
@@ -53,6 +54,34 @@ def test_tiny_presets_load(name):
 
 def test_model_flops_match_the_published_count():
   # NeMo AutoModel states 23.0 GFLOP per token for Qwen3-30B-A3B at sequence length 4096.
-  from jmoe.train.flops import model_flops_per_token
   config = load_config(ROOT / "configs" / "qwen3_30b_a3b.py", ["data.seq_len=4096"])
   np.testing.assert_allclose(model_flops_per_token(config), 23.0e9, rtol=0.005)
+
+
+BENCH = sorted(p.name for p in (ROOT / "configs" / "bench").glob("*.py"))
+
+
+@pytest.mark.parametrize("name", BENCH)
+def test_bench_configs_load(name):
+  # Only the config: the bench models are billions of parameters.
+  assert model_flops_per_token(load_config(ROOT / "configs" / "bench" / name)) > 0
+
+
+def test_deepseek_bench_keeps_the_deepseek_v3_layer():
+  c = load_config(ROOT / "configs" / "bench" / "deepseek_v3_1gpu.py")
+  router = c.moe.router
+  assert c.model.attention == "mla" and c.model.mtp_depth == 0 and c.model.num_layers == 4
+  assert (c.moe.first_k_dense, c.moe.num_experts, c.moe.top_k, c.moe.num_shared_experts) == (
+      1, 64, 8, 1)
+  assert (router.score, router.num_groups, router.topk_groups) == ("sigmoid", 8, 4)
+  assert c.precision.moments == "bfloat16" and c.model.scan_unroll == 3
+  assert (c.train.batch_size, c.data.seq_len) == (1, 4096)
+
+
+def test_gpt_oss_bench_keeps_the_gpt_oss_layer():
+  c = load_config(ROOT / "configs" / "bench" / "gpt_oss_20b_1gpu.py")
+  assert (c.model.sliding_window, c.model.full_attention_every) == (128, 2)
+  assert c.model.attention_sinks and c.moe.expert_bias and c.moe.activation == "clamped_swiglu"
+  assert (c.moe.num_experts, c.moe.top_k) == (32, 4)
+  assert (c.model.num_layers, c.train.batch_size, c.data.seq_len) == (8, 2, 4096)
+  assert c.precision.moments == "bfloat16" and c.model.scan_unroll == 8

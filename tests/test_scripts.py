@@ -7,10 +7,12 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from flags import command_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+HF_PYTHON = ROOT / ".venv-hf" / "bin" / "python"  # the reference Python: torch and transformers
 
 
 def write_metrics(workdir, steps=(1, 10, 20), layers=3, experts=8):
@@ -98,3 +100,28 @@ def test_exchange_bench_checks_and_times_the_fixed_exchange(tmp_path):
     assert "device 0 did not receive device 1's rows" in str(e)
   else:
     raise AssertionError("a wrong delivery passed the check")
+
+
+def test_hf_peer_asks_each_family_for_an_attention_transformers_accepts(tmp_path):
+  """The peer's attention table against transformers itself (the reference Python, on the CPU):
+  every family jmoe exports has an entry, its first choice is one transformers accepts for the
+  tiny model's config.json, so `auto` runs it; GPT-OSS's sinks rule out sdpa."""
+  if not HF_PYTHON.exists():
+    pytest.skip("no reference Python: run scripts/hf_reference_env.sh")
+  from jmoe.checkpoint.hf_families import FAMILIES, check_exportable
+  from jmoe.config import load_config
+  hf_configs = []
+  for name in ("tiny_qwen3_moe", "tiny_mixtral", "tiny_deepseek_v3", "tiny_gpt_oss"):
+    config = load_config(ROOT / "configs" / f"{name}.py")
+    hf_configs.append(check_exportable(config.model, config.moe).to_hf(config.model, config.moe))
+  (tmp_path / "configs.json").write_text(json.dumps(hf_configs))
+  subprocess.run([HF_PYTHON, ROOT / "tests" / "hf_reference.py", "attention",
+                  str(tmp_path / "configs.json"), str(tmp_path / "out.json")],
+                 check=True, capture_output=True, timeout=300)
+  found = json.loads((tmp_path / "out.json").read_text())
+  sys.path.insert(0, str(ROOT / "scripts"))
+  from hf_peer import ATTENTION
+  assert set(found) == set(ATTENTION) == {f.architecture for f in FAMILIES.values()}
+  for name, choice in found.items():
+    assert choice["auto"] == ATTENTION[name][0] in choice["accepts"], (name, choice)
+  assert "sdpa" not in found["GptOssForCausalLM"]["accepts"]
