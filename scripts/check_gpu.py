@@ -1,16 +1,21 @@
 """GPU kernels against float32 references; exits non-zero, naming the failing case, when one fails.
 
-  python scripts/check_gpu.py [--backends mosaic,ragged_dot] [--rows 16384]
+  python scripts/check_gpu.py [--quick] [--backends mosaic,ragged_dot] [--rows 16384]
 
-Grouped GEMMs: for each backend, each shape class (Qwen3-30B-A3B's up and down projections, and a
-small shape no tile divides) and each routing (balanced, skewed: busiest expert about 5x the mean,
-and empty experts with rows past the groups), the forward output, the input gradient and every
-expert's weight gradient are compared with a float32 reference computed expert by expert on the
-same bf16 inputs. A case passes when each relative (Frobenius) error is at most 3e-3, the rows
-past the groups are exactly zero in the output and the input gradient, and an expert with no rows
-has an exactly zero weight gradient; the same under vmap (two routings at once, and one), as
-pipeline stages run the experts. Attention: the model's logits with cuDNN's kernel against
-XLA's, in bf16. Prints one JSON line per case; `moe.gemm=auto` must pick a backend that passed.
+Grouped GEMMs: for each backend, each shape class (Qwen3-30B-A3B's up and down projections, the
+other families' expert shapes, LoRA factors, and a small shape no tile divides) and each routing
+(balanced, skewed: busiest expert about 5x the mean, and empty experts with rows past the groups),
+the forward output, the input gradient and every expert's weight gradient are compared with a
+float32 reference computed expert by expert on the same bf16 inputs. A case passes when each
+relative (Frobenius) error is at most 3e-3, the rows past the groups are exactly zero in the output
+and the input gradient, and an expert with no rows has an exactly zero weight gradient; the same
+under vmap (two routings at once, and one), as pipeline stages run the experts.
+Attention: cuDNN's kernels through jmoe's attention (windows, sinks, packed documents, a window
+chosen at run time, latent attention's narrower values) against plain float32 softmax attention,
+the output and every gradient (the sinks' too) within 2e-2, at 4096 and 8192 tokens; then the
+model's logits with cuDNN's kernel against XLA's, in bf16. `--quick` checks `moe.gemm=auto`'s
+backend on one routing per shape class and three attention cases. Prints one JSON line per case;
+`moe.gemm=auto` must pick a backend that passed.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +32,15 @@ import numpy as np
 TOLERANCE = 3e-3
 SHAPES = {"up": (128, 2048, 1536), "down": (128, 768, 2048), "odd": (6, 96, 80),  # E, D, F
           # LoRA factors of rank 16 on the up projection: x.A, then (x.A).B
-          "adapter_a": (128, 2048, 16), "adapter_b": (128, 16, 1536)}
+          "adapter_a": (128, 2048, 16), "adapter_b": (128, 16, 1536),
+          # the other families' expert shapes (their default or tuned tiles)
+          "gpt_oss_up": (32, 2880, 5760), "gpt_oss_down": (32, 2880, 2880),
+          "deepseek_up": (64, 7168, 4096), "deepseek_down": (64, 2048, 7168),
+          "mixtral_down": (8, 14336, 4096), "qwen3_235b_up": (128, 4096, 3072)}
+ROUTINGS = ("balanced", "skewed", "empty")
+# --quick: one routing per shape, each shape class once, in about a minute
+QUICK_CASES = (("up", "empty"), ("odd", "empty"), ("gpt_oss_down", "skewed"),
+               ("deepseek_up", "balanced"))
 
 
 def relative_error(a, b) -> float:
@@ -48,7 +62,7 @@ def routing(kind: str, experts: int, rows: int, rng) -> np.ndarray:
 
 
 def reference(x, w, dy, sizes):
-  """float32 y, dx and dw, expert by expert."""
+  """float32 y, dx and dw, expert by expert (numpy, on the host)."""
   x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
   y, dx, dw = np.zeros_like(dy), np.zeros_like(x), np.zeros_like(w)
   start = 0
@@ -97,25 +111,26 @@ def compare(outputs, sizes, expected) -> dict:
   return result
 
 
-def check_grouped_gemms(backends: list[str], rows: int) -> list[dict]:
+def check_grouped_gemms(backends: list[str], rows: int, cases=None) -> list[dict]:
+  """Every backend on `cases` ((shape, routing) pairs; default: every shape on every routing)."""
   from jmoe.ops.grouped_gemm import GEMM_BACKENDS
   gemms = {name: jax.jit(GEMM_BACKENDS[name]) for name in backends}
+  cases = cases or [(shape, kind) for shape in SHAPES for kind in ROUTINGS]
   out = []
-  for shape in SHAPES:
-    for seed, kind in enumerate(("balanced", "skewed", "empty")):
-      inputs, expected = case(shape, kind, rows, seed)
-      for name, gemm in gemms.items():
-        check = f"grouped_gemm/{name}/{shape}/{kind}"
-        try:
-          out.append({"check": check, **check_backend(gemm, inputs, expected)})
-        except Exception as e:  # a kernel that does not run fails its case
-          out.append({"check": check, "ok": False,
-                      "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
-        print(json.dumps(out[-1]), flush=True)
+  for shape, kind in cases:
+    inputs, expected = case(shape, kind, rows, ROUTINGS.index(kind))
+    for name, gemm in gemms.items():
+      check = f"grouped_gemm/{name}/{shape}/{kind}"
+      try:
+        out.append({"check": check, **check_backend(gemm, inputs, expected)})
+      except Exception as e:  # a kernel that does not run fails its case
+        out.append({"check": check, "ok": False,
+                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+      print(json.dumps(out[-1]), flush=True)
   return out
 
 
-def check_vmapped(backends: list[str], rows: int) -> list[dict]:
+def check_vmapped(backends: list[str], rows: int, counts=(2, 1)) -> list[dict]:
   """Each backend under vmap, as pipeline stages run their layers (vmapped over the stage axis):
   a batch of two cases, each with its own routing, and a batch of one, against the references."""
   from jmoe.ops.grouped_gemm import GEMM_BACKENDS
@@ -123,7 +138,7 @@ def check_vmapped(backends: list[str], rows: int) -> list[dict]:
   out = []
   for name in backends:
     batched = jax.jit(jax.vmap(GEMM_BACKENDS[name]))
-    for count in (2, 1):
+    for count in counts:
       x, w, dy, sizes = (jnp.stack([inputs[i] for inputs, _ in pair[:count]]) for i in range(4))
       check = f"grouped_gemm_vmapped/{name}/batch{count}"
       try:
@@ -137,6 +152,108 @@ def check_vmapped(backends: list[str], rows: int) -> list[dict]:
         out.append({"check": check, "ok": False,
                     "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
       print(json.dumps(out[-1]), flush=True)
+  return out
+
+
+# name -> (batch, seq, query heads, key heads, query/key dim, value dim, window, sinks, packed,
+# traced window choice). GPT-OSS's attention (64 heads of 64 over 8 key heads, 128-token windows,
+# sinks), at its training length and longer; latent attention's 192 / 128 head dims.
+ATTENTION_CASES = {
+    "gpt_oss_window_sinks_4096": (1, 4096, 64, 8, 64, 64, 128, True, False, False),
+    "gpt_oss_full_sinks_4096": (1, 4096, 64, 8, 64, 64, 0, True, False, False),
+    "gpt_oss_traced_window_sinks_4096": (1, 4096, 64, 8, 64, 64, 128, True, False, True),
+    "gpt_oss_window_sinks_packed_4096": (2, 4096, 16, 8, 64, 64, 128, True, True, False),
+    "gpt_oss_window_sinks_8192": (1, 8192, 16, 8, 64, 64, 128, True, False, False),
+    "causal_packed_4096": (2, 4096, 16, 4, 128, 128, 0, False, True, False),
+    "mla_4096": (1, 4096, 16, 16, 192, 128, 0, False, False, False),
+    "mla_packed_4096": (1, 4096, 16, 16, 192, 128, 0, False, True, False),
+}
+QUICK_ATTENTION = ("gpt_oss_traced_window_sinks_4096", "gpt_oss_window_sinks_packed_4096",
+                   "mla_4096")
+ATTENTION_TOLERANCE = 2e-2  # bf16 inputs and outputs
+
+
+def packed_rows(batch: int, seq: int, rng) -> np.ndarray:
+  """Segment ids of rows packed with documents of random lengths (the last row ends in padding)."""
+  rows = []
+  for b in range(batch):
+    lengths = rng.integers(seq // 16, seq // 3, size=16)
+    ids = np.concatenate([np.full(n, i + 1) for i, n in enumerate(lengths)])[:seq]
+    ids = np.pad(ids, (0, seq - len(ids)))
+    if b == batch - 1:
+      ids[-seq // 10:] = 0
+    rows.append(ids)
+  return np.stack(rows).astype(np.int32)
+
+
+def check_attention_kernels(names) -> list[dict]:
+  """Each case through `attention(kernel="cudnn")` against plain_attention in float32 on the same
+  bf16 inputs: the output and the gradients of the queries, keys, values and sinks (relative
+  Frobenius error, on tokens in documents). The sinks are drawn large enough to hold a good share
+  of each softmax: `sink_effect` (how far the reference moves without them) shows the check
+  could see a sink mishandled."""
+  sys.path.insert(0, "tests")
+  from helpers import plain_attention
+  from jmoe.ops.attention import attention
+  out = []
+  for name in names:
+    b, s, h, g, a, w, window, sinks, packed, traced = ATTENTION_CASES[name]
+    rng = np.random.default_rng(len(out))
+    keys = jax.random.split(jax.random.key(len(out)), 5)
+    q = jax.random.normal(keys[0], (b, s, h, a), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (b, s, g, a), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (b, s, g, w), jnp.bfloat16)
+    dout = jax.random.normal(keys[3], (b, s, h, w), jnp.bfloat16)
+    sinks_H = (4.0 + 1.5 * jax.random.normal(keys[4], (h,))) if sinks else None
+    segments = jnp.asarray(packed_rows(b, s, rng)) if packed else None
+    scale = a ** -0.5
+    check = f"attention/{name}"
+    started = time.perf_counter()
+    try:
+      def ours(q, k, v, sinks_H, windowed):
+        return attention(q, k, v, scale=scale, kernel="cudnn", window=window,
+                         windowed=windowed, segment_ids=segments, sinks=sinks_H)
+
+      windowed = jnp.asarray(True) if traced else True
+
+      def run(q, k, v, sinks_H, dout):
+        out_, vjp = jax.vjp(lambda *x: ours(*x, windowed), q, k, v, sinks_H)
+        return (out_, *vjp(dout))
+
+      compiled = jax.jit(run).lower(q, k, v, sinks_H, dout).compile()
+      fused = "fmha" in compiled.as_text()  # cuDNN's fused attention custom calls
+      got = compiled(q, k, v, sinks_H, dout)
+      f32 = lambda t: None if t is None else t.astype(jnp.float32)
+
+      def reference(q, k, v, sk):  # padding tokens (no document) give zeros
+        out_ = plain_attention(q, k, v, sk, scale=scale, window=window, segments_BS=segments)
+        return out_ if segments is None else out_ * (segments > 0)[:, :, None, None]
+
+      args = [f32(t) for t in (q, k, v, sinks_H)]
+      want_out, vjp = jax.vjp(reference, *args)
+      want = [want_out, *vjp(f32(dout))]
+      in_doc = None if segments is None else np.asarray(segments > 0)
+      errors = {}
+      for i, part in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+        if got[i] is None or want[i] is None:
+          continue
+        g_, w_ = np.asarray(got[i], np.float32), np.asarray(want[i], np.float32)
+        if in_doc is not None and i < 4:  # padding tokens belong to no document
+          g_, w_ = g_[in_doc], w_[in_doc]
+        errors[part] = relative_error(g_, w_)
+      result = {"check": check, "cudnn_used": fused, **errors}
+      if sinks:
+        without = reference(*args[:3], None)
+        result["sink_effect"] = relative_error(without, want_out)
+      worst = max(errors.values())
+      result["ok"] = bool(fused and worst <= ATTENTION_TOLERANCE
+                          and (not sinks or worst < result["sink_effect"] / 5))
+    except Exception as e:  # a case that does not compile or run fails
+      result = {"check": check, "ok": False,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    out.append(result)
+    print(json.dumps(result), flush=True)
   return out
 
 
@@ -171,8 +288,9 @@ def check_attention() -> list[dict]:
           fused = "fmha" in compiled.as_text()  # cuDNN's fused attention custom call
         logits[kernel] = compiled(state, *args)
       error = relative_error(logits["cudnn"], logits["xla"])
-      out.append({"check": f"attention/{name}{'_packed' if packed else ''}",
-                  "cudnn_used": fused, "cudnn_vs_xla": error, "ok": error < 2e-2})
+      out.append({"check": f"model_attention/{name}{'_packed' if packed else ''}",
+                  "cudnn_used": fused, "cudnn_vs_xla": error,
+                  "ok": bool(fused and error < ATTENTION_TOLERANCE)})
   return out
 
 
@@ -183,18 +301,25 @@ def main(argv: list[str] | None = None) -> int:
                       help="grouped GEMM backends to check (comma-separated)")
   parser.add_argument("--rows", type=int, default=16384, help="routed rows per GEMM")
   parser.add_argument("--no-attention", action="store_true")
+  parser.add_argument("--quick", action="store_true",
+                      help="moe.gemm=auto's backend on one routing per shape class, the vmapped "
+                      "pair, and three attention cases (about a minute on an H200)")
   args = parser.parse_args(argv)
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "auto": auto_gemm()}))
-  results = check_grouped_gemms(args.backends.split(","), args.rows)
-  results += check_vmapped(args.backends.split(","), args.rows)
+  backends = [auto_gemm()] if args.quick else args.backends.split(",")
+  results = []
   if not args.no_attention:
+    results += check_attention_kernels(QUICK_ATTENTION if args.quick else ATTENTION_CASES)
+  results += check_grouped_gemms(backends, args.rows, QUICK_CASES if args.quick else None)
+  results += check_vmapped(backends, args.rows, (2,) if args.quick else (2, 1))
+  if not args.no_attention and not args.quick:
     for r in check_attention():
       print(json.dumps(r), flush=True)
       results.append(r)
   failed = [r["check"] for r in results if not r["ok"]]
   auto_checked = [r for r in results if r["check"].startswith(f"grouped_gemm/{auto_gemm()}/")]
-  if auto_gemm() in args.backends.split(",") and not auto_checked:
+  if auto_gemm() in backends and not auto_checked:
     failed.append(f"moe.gemm=auto ({auto_gemm()}) was not checked")
   print(json.dumps({"failed": failed, "ok": not failed}))
   return 1 if failed else 0
