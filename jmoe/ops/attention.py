@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
-from jmoe.ops.attention_kernels import CUDNN, XLA, AttentionKernel
+from jmoe.ops.attention_kernels import CUDNN, XLA, AttentionKernel, in_documents
 
 log = logging.getLogger("jmoe")
 F32 = jnp.float32
@@ -63,14 +63,6 @@ def _run(static: _Static, windowed, run):
   return jax.lax.cond(windowed, lambda: run(static.window), lambda: run(0))
 
 
-def _in_documents(segment_ids_BS, x_BSHW):
-  """Padding tokens (segment id 0) belong to no document: their outputs are zero and nothing
-  flows back from them, whichever kernel ran."""
-  if segment_ids_BS is None:
-    return x_BSHW
-  return jnp.where((segment_ids_BS > 0)[:, :, None, None], x_BSHW, jnp.zeros((), x_BSHW.dtype))
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
 def _attention(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static):
   return _forward(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static)[0]
@@ -85,14 +77,14 @@ def _forward(q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, static):
     kept_BSH1 = jnp.exp(lse_BHS - lse_with_sink_BHS).transpose(0, 2, 1)[..., None]
     out_BSHW = (out_BSHW.astype(F32) * kept_BSH1).astype(out_BSHW.dtype)
     lse_BHS = lse_with_sink_BHS
-  out_BSHW = _in_documents(segment_ids_BS, out_BSHW)
+  out_BSHW = in_documents(segment_ids_BS, out_BSHW)  # padding tokens are in no document
   residuals = (q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, out_BSHW, lse_BHS)
   return out_BSHW, residuals
 
 
 def _backward(static, residuals, dout_BSHW):
   q_BSHA, k_BTGA, v_BTGW, sinks_H, windowed, segment_ids_BS, out_BSHW, lse_BHS = residuals
-  dout_BSHW = _in_documents(segment_ids_BS, dout_BSHW)
+  dout_BSHW = in_documents(segment_ids_BS, dout_BSHW)
   dq, dk, dv = _run(static, windowed, lambda window: static.kernel.backward(
       q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS,
       scale=static.scale, window=window))

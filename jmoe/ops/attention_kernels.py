@@ -145,8 +145,11 @@ def _statistics_index(segment_ids_BS, offsets_BM1, documents_B):
   return document_BS, within_BS
 
 
-def _in_documents(segment_ids_BS, x_BS__):
-  """x where the token lies in a document, zero on padding tokens."""
+def in_documents(segment_ids_BS, x_BS__):
+  """x where the token lies in a document, zero on padding tokens (segment id 0); x itself
+  without segment ids."""
+  if segment_ids_BS is None:
+    return x_BS__
   in_document = (segment_ids_BS > 0).reshape(segment_ids_BS.shape + (1,) * (x_BS__.ndim - 2))
   return jnp.where(in_document, x_BS__, jnp.zeros((), x_BS__.dtype))
 
@@ -185,9 +188,9 @@ def _cudnn_call(segment_ids_BS, window):
   return kw, (offsets_BM1, documents_B)
 
 
-def _packed_fits(segment_ids_BS, call):
+def _packed_fits(packed):
   """Whether every row has at most MAX_SEGMENTS documents (else XLA's kernel runs)."""
-  return jnp.max(call[1]) <= MAX_SEGMENTS
+  return jnp.max(packed[1]) <= MAX_SEGMENTS
 
 
 def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
@@ -202,12 +205,12 @@ def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window
     heads_1H1 = jnp.arange(q.shape[2])[None, :, None]
     lse_BHS = stats.at[document_BS[:, None, :], heads_1H1, within_BS[:, None, :]].get(
         mode="fill", fill_value=0.0)
-    return _in_documents(segment_ids_BS, out), lse_BHS
+    return out, lse_BHS  # (padding tokens' rows: jmoe/ops/attention.py zeroes them)
 
   if packed is None:
     return fused(q_BSHA, k_BTGA, v_BTGW)
   unpacked = lambda q, k, v: xla_forward(q, k, v, segment_ids_BS, scale=scale, window=window)
-  return jax.lax.cond(_packed_fits(segment_ids_BS, packed), fused, unpacked,
+  return jax.lax.cond(_packed_fits(packed), fused, unpacked,
                       q_BSHA, k_BTGA, v_BTGW)
 
 
@@ -225,7 +228,6 @@ def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segmen
       stats = jnp.zeros((b * MAX_SEGMENTS, h, s), F32).at[
           document_BS[:, None, :], jnp.arange(h)[None, :, None], within_BS[:, None, :]].set(
               lse_BHS, mode="drop")
-      dout = _in_documents(segment_ids_BS, dout)
     args = [kw.get(name, unused) for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")]
     grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
         q, k, v, unused, *args, unused, unused, stats, out, dout, scale=scale, seed=42,
@@ -234,14 +236,15 @@ def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segmen
         sliding_window_length=kw["sliding_window_length"])[:3]
     if packed is None:
       return tuple(grads)
-    # Padding tokens take part in no document: their rows of the gradients are zero.
-    return tuple(_in_documents(segment_ids_BS, g) for g in grads)
+    # Padding tokens take part in no document: their rows of the gradients are zero (the kernel
+    # leaves them unwritten).
+    return tuple(in_documents(segment_ids_BS, g) for g in grads)
 
   args = (q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW)
   if packed is None:
     return fused(*args)
   unpacked = lambda *a: xla_backward(*a, segment_ids_BS, scale=scale, window=window)
-  return jax.lax.cond(_packed_fits(segment_ids_BS, packed), fused, unpacked, *args)
+  return jax.lax.cond(_packed_fits(packed), fused, unpacked, *args)
 
 
 CUDNN = AttentionKernel(_cudnn_forward, _cudnn_backward, _cudnn_refusal)
