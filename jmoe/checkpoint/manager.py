@@ -31,6 +31,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.config import ConfigError
+from jmoe.ops.params import LAYER_AXES
 
 log = logging.getLogger("jmoe")
 
@@ -38,7 +39,7 @@ log = logging.getLogger("jmoe")
 # Logical axes whose indices are stored one per chunk when they lead an array (a stacked
 # variable's layers, then its experts): a reader of one layer, or of a block of experts, reads
 # only their chunks (export-hf reads a checkpoint so).
-CHUNKED_AXES = ("layers", "stage_layers", "expert")
+CHUNKED_AXES = (*LAYER_AXES, "expert")
 
 
 def part_save_args(tree: Any) -> Any:

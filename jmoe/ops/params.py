@@ -41,6 +41,17 @@ def kind_of(variable: nnx.Variable) -> str:
   return variable.get_metadata()["kind"]
 
 
+# The logical axis a stack of layers' variables lead with (jmoe/model/stack.py; `stage_layers`
+# for the stack pipeline stages split).
+LAYER_AXES = ("layers", "stage_layers")
+
+
+def is_stacked(variable: nnx.Variable) -> bool:
+  """Whether a variable holds one slice per layer of a stack (its leading logical axis)."""
+  axes = variable.get_metadata().get("axes") or ()
+  return bool(axes) and axes[0] in LAYER_AXES
+
+
 def is_expert_weight(variable: nnx.Variable) -> bool:
   """Whether a parameter holds one slice per expert (its logical axes name `expert`)."""
   return "expert" in (variable.get_metadata().get("axes") or ())
