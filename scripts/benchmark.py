@@ -172,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--peer", action="store_true",
                       help="then time the transformers step on the same config (hf_peer.py)")
   parser.add_argument("--record", metavar="FILE", help="append the result as a JSON line")
+  parser.add_argument("--hlo", metavar="FILE",
+                      help="also write the compiled step's program (XLA's HLO text) to FILE")
   from jmoe.cli import run, split_overrides
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
@@ -212,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     step = compile_train_step(config, layout, spec, optimizer, batch)
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
+    if args.hlo:
+      with open(args.hlo, "w") as f:
+        f.write(hlo)
     first = None
     for _ in range(args.warmup):
       state, metrics = step(state, batch)

@@ -1,6 +1,6 @@
 """GPU kernels against float32 references; exits non-zero, naming the failing case, when one fails.
 
-  python scripts/check_gpu.py [--quick] [--backends mosaic,ragged_dot] [--rows 16384]
+  python scripts/check_gpu.py [--quick] [--backends mosaic,ragged_dot] [--rows 16384] [--shapes a,b]
 
 Grouped GEMMs: for each backend, each shape class (Qwen3-30B-A3B's up and down projections, the
 other families' expert shapes, LoRA factors, and a small shape no tile divides) and each routing
@@ -36,7 +36,8 @@ SHAPES = {"up": (128, 2048, 1536), "down": (128, 768, 2048), "odd": (6, 96, 80),
           # the other families' expert shapes (their default or tuned tiles)
           "gpt_oss_up": (32, 2880, 5760), "gpt_oss_down": (32, 2880, 2880),
           "deepseek_up": (64, 7168, 4096), "deepseek_down": (64, 2048, 7168),
-          "mixtral_down": (8, 14336, 4096), "qwen3_235b_up": (128, 4096, 3072)}
+          "mixtral_down": (8, 14336, 4096), "qwen3_235b_up": (128, 4096, 3072),
+          "qwen3_235b_down": (128, 1536, 4096)}
 ROUTINGS = ("balanced", "skewed", "empty")
 # --quick: one routing per shape, each shape class once, in about a minute
 QUICK_CASES = (("up", "empty"), ("odd", "empty"), ("gpt_oss_down", "skewed"),
@@ -301,17 +302,26 @@ def main(argv: list[str] | None = None) -> int:
                       help="grouped GEMM backends to check (comma-separated)")
   parser.add_argument("--rows", type=int, default=16384, help="routed rows per GEMM")
   parser.add_argument("--no-attention", action="store_true")
+  parser.add_argument("--shapes", help="comma-separated expert shapes to check, each on every "
+                      f"routing (default: all of {', '.join(SHAPES)})")
   parser.add_argument("--quick", action="store_true",
                       help="moe.gemm=auto's backend on one routing per shape class, the vmapped "
                       "pair, and three attention cases (about a minute on an H200)")
   args = parser.parse_args(argv)
+  if args.shapes:
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+      parser.error(f"unknown shapes {unknown}; known: {', '.join(SHAPES)}")
+    cases = [(shape, kind) for shape in args.shapes.split(",") for kind in ROUTINGS]
+  else:
+    cases = QUICK_CASES if args.quick else None
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "auto": auto_gemm()}))
   backends = [auto_gemm()] if args.quick else args.backends.split(",")
   results = []
   if not args.no_attention:
     results += check_attention_kernels(QUICK_ATTENTION if args.quick else ATTENTION_CASES)
-  results += check_grouped_gemms(backends, args.rows, QUICK_CASES if args.quick else None)
+  results += check_grouped_gemms(backends, args.rows, cases)
   results += check_vmapped(backends, args.rows, (2,) if args.quick else (2, 1))
   if not args.no_attention and not args.quick:
     for r in check_attention():
