@@ -193,3 +193,28 @@ def test_global_norm_summed_a_layer_at_a_time_is_the_norm():
   sliced = str(jax.make_jaxpr(global_norm)(grads)).count(" slice[")
   assert sliced >= 3 and " slice[" not in str(jax.make_jaxpr(
       lambda g: global_norm(g, by_layer=False))(grads))
+
+
+def test_copying_stacked_gradients_changes_no_update():
+  """train.copy_stacked_grads puts a barrier on each layer-stacked gradient (and only on those)
+  and gives the update it gives without."""
+  from flax import nnx
+  from helpers import build
+  from jmoe.ops.params import is_stacked
+  config = tiny_config(model=dict(num_layers=3))
+  params = nnx.state(build(config), nnx.Param)
+  keys = iter(jax.random.split(jax.random.key(0), 100))
+  grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape), params)
+  stacked = sum(jax.tree.leaves(jax.tree.map(is_stacked, params, is_leaf=lambda x: isinstance(
+      x, nnx.Variable))))
+  assert 0 < stacked < len(jax.tree.leaves(params))
+  results, barriers = [], []
+  for copy in (False, True):
+    optimizer = make_optimizer(tiny_config(train=dict(copy_stacked_grads=copy)).train)
+    state = optimizer.init(params)
+    apply = lambda g, s, p: optimizer.apply(g, s, p, np.float32(1.0))
+    barriers.append(str(jax.make_jaxpr(apply)(grads, state, params)).count("optimization_barrier"))
+    results.append(apply(grads, state, params))
+  assert barriers == [0, stacked]
+  for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
+    np.testing.assert_array_equal(a, b)

@@ -170,6 +170,12 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+  # Copy each layer-stacked gradient into one array before the optimizer update. Without the copy
+  # XLA may fuse the stacking of the layers' gradients into the update, where it can compute the
+  # update once per output (parameter, two moments): DeepSeek-V3's bench 274.6 -> 245.7 ms with
+  # the copy, at the cost of the largest stacked gradient in peak memory (+8.6 GiB); Mixtral's,
+  # whose update XLA fuses well, 279.0 -> 282.7 ms. docs/PERFORMANCE.md.
+  copy_stacked_grads: bool = False
   mtp_loss_weight: float = 0.3  # with model.mtp_depth > 0: weight of the mean MTP loss
   log_every: int = 10
   # Steps in a row whose loss or gradient norm is not finite (their updates are never applied)

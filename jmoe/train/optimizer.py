@@ -51,6 +51,7 @@ class AdamW:
   weight_decay: float
   grad_clip: float  # global-norm clipping threshold; 0: none
   moments_dtype: Any = jnp.float32
+  copy_stacked_grads: bool = False  # TrainConfig.copy_stacked_grads
 
   def init(self, params) -> AdamWState:
     zeros = lambda p: jnp.zeros(p.shape, self.moments_dtype)
@@ -83,10 +84,18 @@ class AdamW:
         step = step + self.weight_decay * p32
       return (p32 - lr * step).astype(p.dtype), m32.astype(m.dtype), v32.astype(v.dtype)
 
+    def gradient(g, stacked: bool):
+      # The barrier makes the stacked gradient an array of its own, read by the update as any
+      # other input (see TrainConfig.copy_stacked_grads).
+      return jax.lax.optimization_barrier(g) if stacked and self.copy_stacked_grads else g
+
     decays = jax.tree.map(lambda v: kind_of(v) in DECAYED_KINDS, params, is_leaf=_is_variable)
+    stacks = jax.tree.map(is_stacked, params, is_leaf=_is_variable)
     leaves, treedef = jax.tree.flatten(params)
-    new = [update(*args) for args in zip(leaves, *(jax.tree.leaves(t) for t in (
-        grads, state.mu, state.nu)), jax.tree.leaves(decays))]
+    grads = [gradient(g, stacked) for g, stacked in zip(jax.tree.leaves(grads),
+                                                         jax.tree.leaves(stacks))]
+    new = [update(*args) for args in zip(leaves, grads, *(jax.tree.leaves(t) for t in (
+        state.mu, state.nu)), jax.tree.leaves(decays))]
     params, mu, nu = (jax.tree.unflatten(treedef, [n[i] for n in new]) for i in range(3))
     return params, AdamWState(count=count, mu=mu, nu=nu)
 
@@ -111,4 +120,4 @@ def make_optimizer(cfg: TrainConfig, moments: str = "float32") -> AdamW:
   """The run's AdamW; `moments`: the dtype the two moments are stored in."""
   return AdamW(learning_rate(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-               moments_dtype=DTYPES[moments])
+               moments_dtype=DTYPES[moments], copy_stacked_grads=cfg.copy_stacked_grads)
