@@ -743,6 +743,21 @@ def test_fields_config_json_leaves_out_take_transformers_defaults():
   assert (moe.router.scaling_factor, moe.num_shared_experts) == (2.5, 1)
 
 
+def test_gpt_oss_layer_types_that_export_writes_import_back():
+  """Any window pattern jmoe has (every k-th layer full) goes out as layer_types and back."""
+  from jmoe.checkpoint.hf_families import FAMILIES
+  from jmoe.checkpoint.hf_fields import HFFields
+  from jmoe.config import load_config
+  family = FAMILIES["gpt_oss"]
+  for every in (0, 2, 3, 6):
+    config = load_config(str(ROOT / "configs" / "tiny_gpt_oss.py"),
+                         ["model.num_layers=6", f"model.full_attention_every={every}"])
+    hf = family.to_hf(config.model, config.moe)
+    model, _, _ = family.to_jmoe(HFFields(hf, "config.json", family.defaults))
+    assert [model.windowed(i) for i in range(6)] == [config.model.windowed(i) for i in range(6)]
+    assert model.sliding_window == config.model.sliding_window
+
+
 def saved_config(tmp_path, config_file: str, *overrides: str) -> pathlib.Path:
   """A directory holding only the config.json of a checkpoint (export reads it first)."""
   from jmoe.config import load_config, to_dict
@@ -854,7 +869,7 @@ def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
   config, model = jmoe.load_model(workdir)
   state = nnx.state(model)
   table = state["embed"]["table"]
-  table.value = table.value.at[5].set(np.nan)
+  table[...] = table[...].at[5].set(np.nan)
   save_model(tmp_path / "ckpt", state, config)
   tokens = tokens_file(tmp_path, "1 2 3\n4 5 6 7\n")
   before = hashes(tmp_path / "ckpt", tokens)

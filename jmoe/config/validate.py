@@ -207,7 +207,7 @@ def _data(config: Config):
   yield from _one_of("data.packing", d.packing, PACKINGS)
   if not d.source.strip():
     yield "data.source is empty: name files or directories, or use stdlib"
-  if config.train.eval_every and not d.eval_fraction:
+  if config.train.eval_every > 0 and not d.eval_fraction:
     yield "train.eval_every needs held-out documents: set data.eval_fraction (e.g. 0.01)"
 
 
