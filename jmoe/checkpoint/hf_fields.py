@@ -40,6 +40,7 @@ class HFFields:
     self.hf, self.source, self.defaults = hf, source, dict(defaults or {})
     self.read: set[str] = set()
     self.nested: dict[str, HFFields] = {}
+    self.named = ""  # the field last read, as messages about its value call it
 
   def __contains__(self, key: str) -> bool:
     return self.hf.get(key) is not None
@@ -49,7 +50,7 @@ class HFFields:
     (for the fields where transformers gives None a meaning), else it reads as missing: then
     `default`, else transformers' default for the family, else a ConfigError."""
     self.read.update((key, *aliases))
-    self.named = key  # what a message about the value calls it
+    self.named = key
     for k in (key, *aliases):
       if k in self.hf and (self.hf[k] is not None or null is not REQUIRED):
         self.named = k
@@ -127,6 +128,6 @@ class HFFields:
   def warn_unread(self, ignored: frozenset = frozenset()) -> None:
     names = self.unread(ignored)
     if names:
-      log.warning("%s: jmoe does not know the field(s) %s and ignores them (as transformers "
-                  "does, if its config class for this architecture has them)", self.source,
+      log.warning("%s: jmoe does not know the field(s) %s and ignores them; if they change what "
+                  "the model computes, the import computes something else", self.source,
                   ", ".join(names))
