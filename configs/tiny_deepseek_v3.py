@@ -8,7 +8,8 @@ import runpy
 
 def get_config():
   c = runpy.run_path(str(pathlib.Path(__file__).with_name("tiny_moe.py")))["get_config"]()
-  c.model.update(attention="mla", family="deepseek_v3", head_dim=24)
+  # Latent attention has a key and a value per query head (num_kv_heads = num_heads).
+  c.model.update(attention="mla", family="deepseek_v3", head_dim=24, num_kv_heads=8)
   c.model.mla.update(q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
                      v_head_dim=16)
   c.moe.update(num_shared_experts=1, first_k_dense=1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 
@@ -47,6 +48,17 @@ def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
   return sequences
 
 
+def _check_finite(logprobs: list[list[float]], args) -> None:
+  """A log-probability that is not a number (JSON has none for NaN or inf) stops the command."""
+  for n, values in enumerate(logprobs, 1):
+    bad = [i for i, x in enumerate(values) if not math.isfinite(x)]
+    if bad:
+      raise ConfigError(f"{args.checkpoint} gives token {bad[0] + 1} (from 0) of sequence {n} "
+                        f"in {args.tokens_file} the log-probability {values[bad[0]]} ({len(bad)} "
+                        f"such in that sequence): the model's parameters are not finite, or "
+                        f"overflow; nothing is written")
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jmoe.score", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True)
@@ -63,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     sequences = read_tokens(args.tokens_file, config.model.vocab_size)
     result = [{"tokens": s, "logprobs": lp} for s, lp in zip(sequences,
                                                              score(model, layout, sequences))]
+    _check_finite([r["logprobs"] for r in result], args)
     text = json.dumps(result)
     if args.out:
       pathlib.Path(args.out).write_text(text)

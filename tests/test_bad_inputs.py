@@ -576,3 +576,305 @@ def test_a_second_run_is_refused_and_a_killed_run_resumes(tmp_path):
   steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
   assert steps == list(range(1, saved + 4))  # each step once, the killed run's later ones dropped
   assert not (workdir / "run.lock").exists()
+
+
+# ---- imported weights, HF config fields, config ranges ----
+
+def edit_tensor(directory: pathlib.Path, name: str, make: Callable[[np.ndarray], np.ndarray]):
+  """Replaces tensor `name` of a (sharded) Hugging Face directory by make(tensor)."""
+  from safetensors.numpy import load_file, save_file
+  index = json.loads((directory / "model.safetensors.index.json").read_text())
+  shard = directory / index["weight_map"][name]
+  tensors = load_file(shard)
+  tensors[name] = make(tensors[name])
+  save_file(tensors, shard, metadata={"format": "pt"})
+
+
+def with_nan(t):
+  t = t.copy()
+  t.flat[3] = np.nan
+  return t
+
+
+QPROJ, EXPERT = "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.experts.5.up_proj.weight"
+
+
+@pytest.mark.parametrize("name, make, message", [
+    (QPROJ, lambda t: (t * 100).astype(np.int8), r"tensor '.*q_proj.weight' in .* is I8; jmoe "
+     r"imports weights of F32, BF16, F16, F64 \(a quantized checkpoint"),
+    (EXPERT, lambda t: t > 0, r"tensor '.*experts.5.up_proj.weight' in .* is BOOL"),
+    (QPROJ, lambda t: t.view(np.uint32), "is U32"),
+    (QPROJ, with_nan, r"tensor '.*q_proj.weight' in .* holds 1 non-finite value\(s\)"),
+    (EXPERT, with_nan, r"tensor '.*experts.5.up_proj.weight' in .* holds 1 non-finite"),
+    ("model.norm.weight", lambda t: np.full_like(t, np.inf).astype(np.float16), "non-finite"),
+    (QPROJ, lambda t: t.astype(np.float64) * 1e300, "past float32's range"),
+])
+def test_import_hf_refuses_weights_it_cannot_take(hf_dir, tmp_path, name, make, message):
+  """Each tensor's stored dtype is checked before it is read, and its values as it is
+  converted: an integer, boolean or quantized tensor, or a NaN or inf anywhere, is named."""
+  directory = hf_copy(hf_dir, tmp_path)
+  edit_tensor(directory, name, make)
+  before = hashes(directory)
+  refused(convert("import-hf", "--hf-dir", str(directory), "--out", str(tmp_path / "out")),
+          message)
+  assert hashes(directory) == before and not (tmp_path / "out").exists()
+  assert not list(tmp_path.glob(".out.writing-*"))
+
+
+def test_import_hf_converts_half_precision_weights_and_names_unknown_fields(hf_dir, tmp_path):
+  """float16 and bfloat16 tensors are converted to the parameters' dtype; a config.json field
+  jmoe does not know is named in a warning."""
+  import ml_dtypes
+  directory = hf_copy(hf_dir, tmp_path)
+  edit_tensor(directory, QPROJ, lambda t: t.astype(np.float16))
+  edit_tensor(directory, EXPERT, lambda t: t.astype(ml_dtypes.bfloat16))
+  hf = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**hf, "frobnicate_layers": 3}))
+  result = convert("import-hf", "--hf-dir", str(directory), "--out", str(tmp_path / "out"))
+  assert result.code == 0, result.err[-2000:]
+  assert "jmoe does not know the field(s) frobnicate_layers" in result.err
+  from jmoe.checkpoint.hf_files import SafetensorsReader
+  import jmoe
+  from flax import nnx
+  _, model = jmoe.load_model(tmp_path / "out")
+  state = nnx.to_pure_dict(nnx.state(model))
+  q = np.asarray(state["moe_blocks"]["attn"]["w_q_DHA"])[1]
+  expected = SafetensorsReader(directory)(QPROJ).astype(np.float32).T.reshape(q.shape)
+  np.testing.assert_array_equal(q, expected)
+
+
+DEEPSEEK = {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+            "num_key_value_heads": 4}
+GPT_OSS = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "32"}, r"config.json: hidden_size must be an integer in \[1, 2147483647\], "
+     r"got '32'"),
+    ({"hidden_size": 32.0}, r"hidden_size must be an integer in \[1, 2147483647\], got 32.0"),
+    ({"num_hidden_layers": -2}, r"num_hidden_layers must be an integer in .*got -2"),
+    ({"vocab_size": 10**10}, r"vocab_size must be an integer in \[1, 2147483647\], got 10000000000"),
+    ({"num_experts": 0}, r"num_experts must be an integer in \[1, "),
+    ({"head_dim": True}, "head_dim must be an integer"),
+    ({"rms_norm_eps": "1e-6"}, r"rms_norm_eps must be a number > 0, got '1e-6'"),
+    ({"rms_norm_eps": -1e-6}, r"rms_norm_eps must be a number > 0, got -1e-06"),
+    ({"initializer_range": 0}, r"initializer_range must be a number > 0"),
+    ({"max_position_embeddings": "long"}, "max_position_embeddings must be an integer"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob must be true or false, got 1"),
+    ({"router_aux_loss_coef": -0.1}, r"router_aux_loss_coef must be a number >= 0"),
+    ({"hidden_act": "gelu"}, r"hidden_act='gelu' is not supported; jmoe's gated MLPs use silu"),
+    ({"attention_bias": True}, "attention_bias=true is not supported"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0}},
+     r"rope_parameters: rope type 'linear' is not supported"),
+    ({"rope_parameters": None, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     r"rope_scaling: rope type 'dynamic' is not supported"),
+    ({"rope_parameters": "yarn"}, "rope_parameters must be a JSON object, got 'yarn'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "attention_factor": 0.5}},
+     "attention_factor is not supported"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": "4"}},
+     r"rope_parameters: factor must be a number >= 1, got '4'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0,
+                          "mscale_all_dim": 1.0}}, "mscale_all_dim is not supported for this"),
+    ({"rope_parameters": {"rope_theta": 0.5}}, r"rope_theta must be a number > 1, got 0.5"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}},
+     "rotary parameters per kind of layer are not supported"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    ({"quantization_config": {"quant_method": "fp8"}},
+     r"quantization_config \(quant_method 'fp8'\) is not supported"),
+    ({"mlp_only_layers": [1]}, r"dense layers \[1\] .* are not the first k layers"),
+    ({"mlp_only_layers": [5]}, "mlp_only_layers names layer 5; the model has layers 0 to 1"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers must be a list of integers"),
+    ({"decoder_sparse_step": 0}, r"decoder_sparse_step must be an integer in \[1,"),
+    ({"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+     "max_window_layers below num_hidden_layers with a sliding window is not supported"),
+    ({"num_key_value_heads": 3}, r"describes a model jmoe cannot hold: .*model.num_heads \(4\) "
+     r"must be a multiple of model.num_kv_heads \(3\)"),
+    ({"num_experts_per_tok": 9}, r"cannot hold: .*moe.top_k \(9\) is larger than"),
+    ({**DEEPSEEK, "num_key_value_heads": 2},
+     r"num_key_value_heads \(2\) must equal num_attention_heads \(4\)"),
+    ({**DEEPSEEK, "scoring_func": "softmax"}, "scoring_func='softmax' is not supported"),
+    ({**DEEPSEEK, "topk_method": "greedy"}, "topk_method='greedy' is not supported"),
+    ({**DEEPSEEK, "moe_layer_freq": 2}, "moe_layer_freq=2 is not supported"),
+    ({**DEEPSEEK, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "mscale_all_dim": 1.0}},
+     "mscale_all_dim without mscale is not supported"),
+    ({**GPT_OSS, "swiglu_limit": 8.0}, r"swiglu_limit=8.0 is not supported: transformers' "),
+    ({**GPT_OSS, "layer_types": ["full_attention", "sliding_attention"]},
+     "is not a pattern jmoe has"),
+    ({**GPT_OSS, "layer_types": ["sliding_attention"]},
+     "layer_types must list sliding_attention or full_attention for each of the 2 layers"),
+    ({**GPT_OSS, "quantization_config": {"quant_method": "bitsandbytes"}},
+     r"quant_method 'bitsandbytes'\) is not supported: .* \(or MXFP4 experts\)"),
+    ({"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+      "router_jitter_noise": 1.5}, "router_jitter_noise must be below 1, got 1.5"),
+])
+def test_import_hf_refuses_config_fields_by_name(hf_dir, tmp_path, change, message):
+  """Each config.json field that changes what the model computes is read with its type and
+  range, and mapped or refused by name, before any tensor is read."""
+  directory = hf_copy(hf_dir, tmp_path)
+  hf = json.loads((directory / "config.json").read_text())
+  (directory / "config.json").write_text(json.dumps({**hf, **change}))
+  before = hashes(directory)
+  refused(convert("import-hf", "--hf-dir", str(directory), "--out", str(tmp_path / "out")),
+          message)
+  assert hashes(directory) == before and not (tmp_path / "out").exists()
+  assert not list(tmp_path.glob(".out.writing-*"))
+
+
+def test_fields_config_json_leaves_out_take_transformers_defaults():
+  """A field config.json leaves out means what it means to transformers' config class."""
+  from jmoe.checkpoint.hf_families import FAMILIES
+  from jmoe.checkpoint.hf_fields import HFFields
+  sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+               intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
+  family = FAMILIES["gpt_oss"]
+  model, moe, _ = family.to_jmoe(HFFields(sizes, "config.json", family.defaults))
+  assert (model.sliding_window, model.full_attention_every, model.head_dim) == (128, 2, 64)
+  assert (model.rope_theta, model.yarn.factor, model.yarn.truncate) == (150_000.0, 32.0, False)
+  assert (model.num_kv_heads, model.norm_eps, model.attention_bias) == (8, 1e-5, True)
+  family = FAMILIES["mixtral"]
+  model, moe, _ = family.to_jmoe(HFFields(sizes, "config.json", family.defaults))
+  assert (model.rope_theta, model.norm_eps, model.num_kv_heads, model.head_dim) == (1e6, 1e-5, 4, 8)
+  family = FAMILIES["deepseek_v3"]
+  model, moe, interleaved = family.to_jmoe(HFFields(
+      dict(sizes, moe_intermediate_size=8, n_routed_experts=16), "config.json", family.defaults))
+  assert interleaved and model.mtp_depth == 1 and model.mla.q_lora_rank == 1536
+  assert (moe.router.num_groups, moe.router.topk_groups, moe.first_k_dense) == (8, 4, 3)
+  assert (moe.router.scaling_factor, moe.num_shared_experts) == (2.5, 1)
+
+
+def test_gpt_oss_layer_types_that_export_writes_import_back():
+  """Any window pattern jmoe has (every k-th layer full) goes out as layer_types and back."""
+  from jmoe.checkpoint.hf_families import FAMILIES
+  from jmoe.checkpoint.hf_fields import HFFields
+  from jmoe.config import load_config
+  family = FAMILIES["gpt_oss"]
+  for every in (0, 2, 3, 6):
+    config = load_config(str(ROOT / "configs" / "tiny_gpt_oss.py"),
+                         ["model.num_layers=6", f"model.full_attention_every={every}"])
+    hf = family.to_hf(config.model, config.moe)
+    model, _, _ = family.to_jmoe(HFFields(hf, "config.json", family.defaults))
+    assert [model.windowed(i) for i in range(6)] == [config.model.windowed(i) for i in range(6)]
+    assert model.sliding_window == config.model.sliding_window
+
+
+def saved_config(tmp_path, config_file: str, *overrides: str) -> pathlib.Path:
+  """A directory holding only the config.json of a checkpoint (export reads it first)."""
+  from jmoe.config import load_config, to_dict
+  config = load_config(config_file, [*(o.removeprefix("--config.") for o in TINY), *overrides])
+  write(tmp_path / "ckpt" / "config.json", json.dumps(to_dict(config)))
+  return tmp_path / "ckpt"
+
+
+@pytest.mark.parametrize("config_file, overrides, message", [
+    (QWEN, ["model.sliding_window=8", "model.full_attention_every=2"],
+     r"model.family=qwen3_moe needs model.full_attention_every=0"),
+    (str(ROOT / "configs" / "tiny_mixtral.py"), ["model.yarn.factor=4.0",
+                                                 "model.yarn.mscale_all_dim=1.0"],
+     r"needs model.yarn.mscale_all_dim=0 \(transformers scales the attention logits by it for "
+     r"DeepSeek-V3 only\)"),
+    (str(ROOT / "configs" / "tiny_deepseek_v3.py"), ["model.yarn.factor=4.0", "model.yarn.mscale=0.0",
+                                                     "model.yarn.mscale_all_dim=1.0"],
+     r"needs model.yarn.mscale > 0 with model.yarn.mscale_all_dim"),
+    (str(ROOT / "configs" / "tiny_gpt_oss.py"), ["moe.swiglu_limit=5.0"],
+     r"needs moe.swiglu_limit=7"),
+    (str(ROOT / "configs" / "tiny_gpt_oss.py"), ["moe.router.scaling_factor=2.0"],
+     r"needs moe.router.scaling_factor=1"),
+])
+def test_export_hf_refuses_what_transformers_would_run_otherwise(tmp_path, config_file,
+                                                                  overrides, message):
+  checkpoint = saved_config(tmp_path, config_file, *overrides)
+  before = hashes(checkpoint)
+  refused(convert("export-hf", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "hf")),
+          message)
+  assert hashes(checkpoint) == before and not (tmp_path / "hf").exists()
+
+
+def test_export_hf_gives_latent_attention_a_key_value_head_per_query_head(tmp_path):
+  """jmoe's latent attention does not read model.num_kv_heads; transformers' DeepSeek-V3 runs
+  only with num_key_value_heads = num_attention_heads, which export writes."""
+  from jmoe.checkpoint.hf_families import check_exportable
+  from jmoe.config import load_config
+  config = load_config(str(ROOT / "configs" / "tiny_deepseek_v3.py"),
+                       ["model.num_heads=8", "model.num_kv_heads=2"])
+  hf = check_exportable(config.model, config.moe).to_hf(config.model, config.moe)
+  assert hf["num_key_value_heads"] == hf["num_attention_heads"] == 8
+  shipped = load_config(str(ROOT / "configs" / "tiny_deepseek_v3.py"))
+  assert shipped.model.num_kv_heads == shipped.model.num_heads
+
+
+def test_every_number_of_the_schema_has_a_range():
+  from jmoe.config import Config
+  from jmoe.config.validate import RANGES, numbers
+  defaults = dict(numbers(Config()))
+  assert set(defaults) | {"moe.capacity_factor"} == set(RANGES)
+  assert all(value in RANGES[key] for key, value in defaults.items())
+
+
+def outside(key: str) -> list:
+  """Values just outside the range of config key `key`."""
+  from jmoe.config import Config
+  from jmoe.config.validate import RANGES, numbers
+  r = RANGES[key]
+  low, high = r.bounds()
+  is_int = isinstance(dict(numbers(Config())).get(key), int)
+  step = 1 if is_int else 0.5
+  values = [low if r.text[0] == "(" else low - step]
+  if high != float("inf"):
+    values.append(high if r.text[-1] == ")" else high + step)
+  return [int(v) if is_int else float(v) for v in values]
+
+
+def range_cases():
+  from jmoe.config.validate import RANGES
+  return [(key, value) for key in sorted(RANGES) for value in outside(key)]
+
+
+@pytest.mark.parametrize("key, value", range_cases())
+def test_numbers_outside_their_range_are_refused_by_name(tmp_path, key, value):
+  import re
+  from jmoe.config.validate import RANGES
+  before = hashes(tmp_path)
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                 f"--config.{key}={value}")
+  interval = RANGES[key].text.replace("INT", "2147483647")
+  refused(result, f"{key} must be (None or )?(positive, )?in {re.escape(interval)}.*, got "
+                  f"{re.escape(str(value))}")
+  assert hashes(tmp_path) == before
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.vocab_size=10000000000",
+     r"model.vocab_size must be positive, in \[1, 2147483647\], got 10000000000"),
+    ("train.b2=1.0", r"train.b2 must be in \[0, 1\), got 1.0"),
+    ("train.eps=0", r"train.eps must be positive, in \(0, inf\), got 0.0"),
+    ("train.weight_decay=-0.01", r"train.weight_decay must be in \[0, inf\), got -0.01"),
+    ("moe.capacity_factor=-0.5", r"moe.capacity_factor must be None or in \[0, inf\) \(None or 0: "
+     r"dropless\), got -0.5"),
+    ("train.warmup_steps=5", r"train.warmup_steps \(5\) must be in \[0, train.steps\) = \[0, 2\)"),
+])
+def test_config_ranges_the_issue_names(tmp_path, override, message):
+  before = hashes(tmp_path)
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                f"--config.{override}"), message)
+  assert hashes(tmp_path) == before
+
+
+def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
+  """A model whose parameters are not finite gives NaN log-probabilities, which JSON cannot
+  hold: score names the sequence and writes nothing."""
+  import jmoe
+  from flax import nnx
+  from jmoe.checkpoint.params import save_model
+  config, model = jmoe.load_model(workdir)
+  state = nnx.state(model)
+  table = state["embed"]["table"]
+  table[...] = table[...].at[5].set(np.nan)
+  save_model(tmp_path / "ckpt", state, config)
+  tokens = tokens_file(tmp_path, "1 2 3\n4 5 6 7\n")
+  before = hashes(tmp_path / "ckpt", tokens)
+  refused(score("--checkpoint", str(tmp_path / "ckpt"), "--tokens-file", str(tokens), "--out",
+                str(tmp_path / "scores.json")),
+          r"ckpt gives token \d \(from 0\) of sequence 2 in .*tokens.txt the log-probability nan "
+          r"\(\d such in that sequence\).*nothing is written")
+  assert hashes(tmp_path / "ckpt", tokens) == before and not (tmp_path / "scores.json").exists()

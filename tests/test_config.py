@@ -59,7 +59,7 @@ def test_bad_overrides(override, message):
     (dict(moe=dict(top_k=5, router=dict(num_groups=4, topk_groups=2))),
      r"moe.top_k \(5\) is more than the 2 x 2 experts"),
     (dict(moe=dict(balance=dict(aux_loss_type="batch"))), "aux_loss_type must be one of"),
-    (dict(moe=dict(capacity_factor=-1.0)), "capacity_factor must be None, 0"),
+    (dict(moe=dict(capacity_factor=-1.0)), r"capacity_factor must be None or in \[0, inf\)"),
     (dict(moe=dict(drop_policy="random")), "moe.drop_policy must be one of"),
     (dict(moe=dict(router=dict(score="relu"))), "moe.router.score must be one of"),
     (dict(parallel=dict(dense=dict(data=-1, tensor=-1))), "at most one size may be -1"),

@@ -136,7 +136,7 @@ def test_import_matches_transformers_and_export_round_trips(name, tmp_path):
 TRAINED = {
     "qwen3_moe": dict(model=dict(family="qwen3_moe", qk_norm=True, num_heads=4, num_kv_heads=2)),
     "deepseek_v3": dict(
-        model=dict(family="deepseek_v3", attention="mla", num_heads=4, num_kv_heads=4, mtp_depth=1,
+        model=dict(family="deepseek_v3", attention="mla", num_heads=4, num_kv_heads=2, mtp_depth=1,
                    mla=dict(q_lora_rank=16, kv_lora_rank=12, qk_nope_head_dim=8,
                             qk_rope_head_dim=4, v_head_dim=8),
                    yarn=dict(factor=4.0, original_max_len=8, mscale_all_dim=1.0)),

@@ -24,6 +24,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
+from jmoe.checkpoint.hf_fields import HFFields
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
                                       name_shards, read_json, refuse_to_overwrite,
                                       written_in_place)
@@ -58,7 +59,10 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
                       f"directory (config.json and *.safetensors)")
   hf = read_json(hf_dir / "config.json")
   family = family_of_hf(hf)
-  model_cfg, moe_cfg = family.to_jmoe(hf)
+  fields = HFFields(hf, str(hf_dir / "config.json"), family.defaults)
+  model_cfg, moe_cfg, interleaved = family.to_jmoe(fields)
+  if jax.process_index() == 0:
+    fields.warn_unread(family.ignored)
   read = SafetensorsReader(hf_dir)
   if model_cfg.mtp_depth:  # config.json may name modules whose weights were never saved
     present = [f"model.layers.{model_cfg.num_layers + k}.eh_proj.weight" in read.weight_map
@@ -67,11 +71,14 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
       log.info("%s: config.json names %d multi-token prediction module(s); the files hold %d",
                hf_dir, model_cfg.mtp_depth, present.index(False))
       model_cfg = dataclasses.replace(model_cfg, mtp_depth=present.index(False))
-  config = from_config_dict(to_dict(Config(model=model_cfg, moe=moe_cfg,
-                                           precision=PrecisionConfig(params=params_dtype,
-                                                                     compute="float32"))))
+  try:
+    config = from_config_dict(to_dict(Config(model=model_cfg, moe=moe_cfg,
+                                             precision=PrecisionConfig(params=params_dtype,
+                                                                       compute="float32"))))
+  except ConfigError as e:
+    raise ConfigError(f"{hf_dir / 'config.json'} describes a model jmoe cannot hold: "
+                      f"{str(e).removeprefix('invalid config:').strip()}") from None
   params = nnx.state(nnx.eval_shape(model_factory(config)))
-  interleaved = bool(hf.get("rope_interleave", False))
   _check_mtp_copies(read, config, family, hf_dir)
   layers: dict[tuple, list] = {}  # a variable's (HF prefix, mapping) for each layer, or the one
   stacked_paths = set()

@@ -2,25 +2,33 @@
 
 A family is data, not code paths: a config translation in each direction and the names of its
 tensors. The tensor layouts are the same for every family (PyTorch Linear weights are [out, in]);
-`hf.py` does the reshaping.
+`hf.py` does the reshaping. Import reads config.json through `HFFields` (hf_fields.py): each field
+that changes what the model computes is read with its type and range and mapped, or refused by
+name; export writes only what transformers runs as jmoe does (`check_exportable`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import logging
+from typing import Callable
 
+from jmoe.checkpoint.hf_fields import HFFields
 from jmoe.config import (BalanceConfig, ConfigError, MLAConfig, ModelConfig, MoEConfig,
                          RouterConfig, YarnConfig)
 from jmoe.errors import choice
+
+log = logging.getLogger("jmoe")
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
   architecture: str  # config.json "architectures"[0]
   model_type: str
-  to_jmoe: Callable[[dict], tuple[ModelConfig, MoEConfig]]
+  # config.json's fields -> (model, moe, whether the rotary weights are interleaved)
+  to_jmoe: Callable[[HFFields], tuple[ModelConfig, MoEConfig, bool]]
   to_hf: Callable[[ModelConfig, MoEConfig], dict]
+  defaults: dict  # transformers' defaults for the fields config.json may leave out
   moe_prefix: str  # the MoE block's name inside a layer
   expert_names: tuple[str, str, str]  # gate, up, down projections of one expert
   dense_prefix: str = "mlp"
@@ -29,34 +37,64 @@ class Family:
   fused_experts: bool = False  # all experts in one gate_up_proj [E, D, 2F] (gate, up interleaved)
   # Multi-token prediction modules as layers after the last (DeepSeek-V3's checkpoints)
   mtp_layers: bool = False
+  # Fields of its config.json that do not change what transformers computes (derived ones,
+  # training or parallelism settings of the original code), besides hf_fields.GENERIC
+  ignored: frozenset = frozenset()
 
 
-def _get(hf: dict, key: str, *alternatives: str, default: Any = ConfigError) -> Any:
-  for k in (key, *alternatives):
-    if hf.get(k) is not None:
-      return hf[k]
-  if default is ConfigError:
-    raise ConfigError(f"config.json lacks {key!r}, which this architecture needs")
-  return default
+# ---- config.json -> jmoe: every field that changes what the model computes is read (with its
+# type and range) and mapped, or refused by name; a missing one takes transformers' default for
+# the family (its config class, transformers 5), listed in each family's DEFAULTS.
 
-
-def _rope(hf: dict) -> dict:
-  """rope_theta and yarn for ModelConfig from rope_parameters (or the older rope_scaling)."""
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  kind = rope.get("rope_type", rope.get("type", "default"))
-  theta = float(rope.get("rope_theta", hf.get("rope_theta", 10_000.0)))
-  if kind in ("default", None):
+def _rope(f: HFFields, default_theta: float, default: dict | None = None,
+          all_dim_ok: bool = False) -> dict:
+  """rope_theta and yarn for ModelConfig from rope_parameters (or the older rope_scaling, which
+  transformers prefers where both are given), as transformers computes them."""
+  names = ("rope_scaling", "rope_parameters") if "rope_scaling" in f else ("rope_parameters",
+                                                                            "rope_scaling")
+  rope = f.mapping(*names, default=default or {})
+  if any(isinstance(v, dict) for v in rope.hf.values()):
+    raise ConfigError(f"{rope.source}: rotary parameters per kind of layer are not supported; "
+                      f"jmoe has one set for every layer")
+  theta = rope.number("rope_theta", low=1.0,
+                      default=f.number("rope_theta", low=1.0, default=default_theta))
+  partial = rope.number("partial_rotary_factor",
+                        default=f.number("partial_rotary_factor", default=1.0))
+  if partial != 1.0:
+    raise ConfigError(f"{rope.source}: partial_rotary_factor={partial} is not supported; jmoe "
+                      f"rotates every dim of a head (1.0)")
+  kind = rope.text("rope_type", "type", default="default")
+  max_len = f.size("max_position_embeddings")
+  if kind == "default":
     return dict(rope_theta=theta)
   if kind != "yarn":
-    raise ConfigError(f"rope type {kind!r} is not supported; jmoe has default and yarn")
-  if rope.get("attention_factor") is not None:
-    raise ConfigError("rope_parameters.attention_factor is not supported; give mscale instead")
-  original = rope.get("original_max_position_embeddings") or hf.get("max_position_embeddings")
+    raise ConfigError(f"{rope.source}: rope type {kind!r} is not supported; jmoe has default "
+                      f"and yarn")
+  if rope.value("attention_factor", default=None) is not None:
+    raise ConfigError(f"{rope.source}: attention_factor is not supported; give mscale (and "
+                      f"mscale_all_dim) instead")
+  original = rope.size("original_max_position_embeddings", default=f.size(
+      "original_max_position_embeddings", default=max_len))
+  factor = rope.number("factor", low=1.0, open_low=False, null=None, default=None)
+  if factor is None:  # transformers then stretches max_position_embeddings / original
+    factor = max_len / original
+    if factor < 1:
+      raise ConfigError(f"{rope.source}: without a factor, max_position_embeddings ({max_len}) "
+                        f"over original_max_position_embeddings ({original}) is below 1")
+  mscale = rope.number("mscale", open_low=False, default=0.0)
+  all_dim = rope.number("mscale_all_dim", open_low=False, default=0.0)
+  if all_dim and not all_dim_ok:
+    raise ConfigError(f"{rope.source}: mscale_all_dim is not supported for this architecture "
+                      f"(jmoe scales the attention logits by it, as DeepSeek-V3 does; "
+                      f"transformers does not here)")
+  if all_dim and not mscale:
+    raise ConfigError(f"{rope.source}: mscale_all_dim without mscale is not supported (jmoe "
+                      f"takes mscale / mscale_all_dim where both are given)")
   return dict(rope_theta=theta, yarn=YarnConfig(
-      factor=float(rope["factor"]), original_max_len=int(original),
-      beta_fast=float(rope.get("beta_fast") or 32), beta_slow=float(rope.get("beta_slow") or 1),
-      mscale=float(rope.get("mscale") or 1.0), mscale_all_dim=float(rope.get("mscale_all_dim") or 0),
-      truncate=bool(rope.get("truncate", True))))
+      factor=factor, original_max_len=original,
+      beta_fast=rope.number("beta_fast", default=32.0),
+      beta_slow=rope.number("beta_slow", default=1.0),
+      mscale=mscale or 1.0, mscale_all_dim=all_dim, truncate=rope.flag("truncate", default=True)))
 
 
 def _rope_to_hf(m: ModelConfig) -> dict:
@@ -69,19 +107,49 @@ def _rope_to_hf(m: ModelConfig) -> dict:
           "truncate": y.truncate}
 
 
-def _common(hf: dict) -> dict:
-  d_model, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
-  return dict(vocab_size=_get(hf, "vocab_size"), d_model=d_model,
-              num_layers=_get(hf, "num_hidden_layers"), num_heads=heads,
-              num_kv_heads=_get(hf, "num_key_value_heads", default=heads),
-              head_dim=_get(hf, "head_dim", default=d_model // heads),
-              **_rope(hf), norm_eps=float(_get(hf, "rms_norm_eps")),
-              tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+def _common(f: HFFields, default_theta: float, default_rope: dict | None = None,
+            all_dim_ok: bool = False) -> dict:
+  """The fields every family reads alike."""
+  d_model, heads = f.size("hidden_size"), f.size("num_attention_heads")
+  kv_heads = f.size("num_key_value_heads", null=None)
+  head_dim = f.size("head_dim", null=None)
+  dropout = f.number("attention_dropout", open_low=False, default=0.0)
+  if dropout:
+    log.warning("%s: attention_dropout=%s is not used: jmoe trains without dropout",
+                f.source, dropout)
+  return dict(vocab_size=f.size("vocab_size"), d_model=d_model,
+              num_layers=f.size("num_hidden_layers"), num_heads=heads,
+              num_kv_heads=heads if kv_heads is None else kv_heads,
+              head_dim=d_model // heads if head_dim is None else head_dim,
+              **_rope(f, default_theta, default_rope, all_dim_ok),
+              norm_eps=f.number("rms_norm_eps"), tie_embeddings=f.flag("tie_word_embeddings"),
+              init_std=f.number("initializer_range"))
 
 
-def _no_attention_bias(hf: dict) -> None:
-  if hf.get("attention_bias"):
-    raise ConfigError("attention_bias=true is not supported for this architecture")
+def _silu(f: HFFields) -> None:
+  """The dense MLPs' and experts' activation: jmoe's SwiGLU gates with SiLU (`swish` alike)."""
+  act = f.text("hidden_act")
+  if act not in ("silu", "swish"):
+    raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported; jmoe's gated MLPs use "
+                      f"silu")
+
+
+def _no_attention_bias(f: HFFields) -> None:
+  if f.flag("attention_bias"):
+    raise ConfigError(f"{f.source}: attention_bias=true is not supported for this architecture")
+
+
+def _unquantized(f: HFFields, allowed: tuple[str, ...] = ()) -> None:
+  """Quantized weights other than `allowed` kinds (which the reader dequantizes) are refused:
+  their scales would be ignored."""
+  if "quantization_config" not in f:
+    return
+  method = f.mapping("quantization_config").value("quant_method", default=None)
+  f.nested.pop("quantization_config")  # its other fields are the quantizer's own
+  if method not in allowed:
+    raise ConfigError(f"{f.source}: quantization_config (quant_method {method!r}) is not "
+                      f"supported: jmoe imports float32, bfloat16 or float16 weights"
+                      f"{' (or MXFP4 experts)' if allowed else ''}; convert a dequantized copy")
 
 
 def _common_to_hf(m: ModelConfig) -> dict:
@@ -92,29 +160,52 @@ def _common_to_hf(m: ModelConfig) -> dict:
               hidden_act="silu", attention_bias=False, initializer_range=m.init_std)
 
 
-def _qwen3_first_k_dense(hf: dict) -> int:
-  layers = _get(hf, "num_hidden_layers")
-  step = hf.get("decoder_sparse_step", 1) or 1
-  dense = sorted(set(hf.get("mlp_only_layers") or []) |
-                 {i for i in range(layers) if (i + 1) % step})
+COMMON_DEFAULTS = dict(tie_word_embeddings=False, hidden_act="silu", initializer_range=0.02,
+                       router_aux_loss_coef=0.001)
+QWEN3_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6,
+                      max_position_embeddings=32768, attention_bias=False,
+                      use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=False)
+
+
+def _qwen3_first_k_dense(f: HFFields, layers: int) -> int:
+  step = f.size("decoder_sparse_step")
+  only = f.int_list("mlp_only_layers", null=[])
+  outside = [i for i in only if not 0 <= i < layers]
+  if outside:
+    raise ConfigError(f"{f.source}: mlp_only_layers names layer {outside[0]}; the model has "
+                      f"layers 0 to {layers - 1}")
+  dense = sorted(set(only) | {i for i in range(layers) if (i + 1) % step})
   if dense != list(range(len(dense))):
-    raise ConfigError(f"dense layers {dense} are not the first k layers; jmoe supports dense "
-                      f"layers only before all MoE layers (moe.first_k_dense)")
+    raise ConfigError(f"{f.source}: dense layers {dense} (mlp_only_layers, decoder_sparse_step) "
+                      f"are not the first k layers; jmoe supports dense layers only before all "
+                      f"MoE layers (moe.first_k_dense)")
   return len(dense)
 
 
-def _qwen3_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
-  _no_attention_bias(hf)
-  window = hf.get("sliding_window") if hf.get("use_sliding_window") else 0
-  model = ModelConfig(**_common(hf), d_ff=_get(hf, "intermediate_size"), qk_norm=True,
-                      sliding_window=window or 0, family="qwen3_moe")
-  moe = MoEConfig(num_experts=_get(hf, "num_experts", "num_local_experts"),
-                  top_k=_get(hf, "num_experts_per_tok"),
-                  d_ff_expert=_get(hf, "moe_intermediate_size"),
-                  first_k_dense=_qwen3_first_k_dense(hf),
-                  router=RouterConfig(score="softmax",
-                                      norm_topk_prob=bool(hf.get("norm_topk_prob", False))))
-  return model, moe
+def _qwen3_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
+  _no_attention_bias(f)
+  _silu(f)
+  _unquantized(f)
+  common = _common(f, 10_000.0)
+  window = 0
+  if f.flag("use_sliding_window"):
+    window = f.size("sliding_window", null=0, low=0)
+    if window and f.size("max_window_layers", default=common["num_layers"]) < common["num_layers"]:
+      raise ConfigError(f"{f.source}: max_window_layers below num_hidden_layers with a sliding "
+                        f"window is not supported (transformers 5 windows every layer, older "
+                        f"ones only the layers from max_window_layers on)")
+  f.read.update(("sliding_window", "max_window_layers"))  # (not used without the window)
+  model = ModelConfig(**common, d_ff=f.size("intermediate_size"), qk_norm=True,
+                      sliding_window=window, family="qwen3_moe")
+  moe = MoEConfig(num_experts=f.size("num_experts", "num_local_experts"),
+                  top_k=f.size("num_experts_per_tok"),
+                  d_ff_expert=f.size("moe_intermediate_size"),
+                  first_k_dense=_qwen3_first_k_dense(f, common["num_layers"]),
+                  router=RouterConfig(score="softmax", norm_topk_prob=f.flag("norm_topk_prob")),
+                  balance=BalanceConfig(aux_loss_coef=f.number("router_aux_loss_coef",
+                                                               open_low=False)))
+  return model, moe, False
 
 
 def _qwen3_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
@@ -127,44 +218,80 @@ def _qwen3_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
               router_aux_loss_coef=moe.balance.aux_loss_coef)
 
 
-def _mixtral_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
-  _no_attention_bias(hf)
-  d_ff = _get(hf, "intermediate_size")
-  model = ModelConfig(**_common(hf), d_ff=d_ff, sliding_window=hf.get("sliding_window") or 0,
+MIXTRAL_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=None, head_dim=None,
+                        rms_norm_eps=1e-5, max_position_embeddings=4096 * 32,
+                        sliding_window=None, router_jitter_noise=0.0)
+
+
+def _mixtral_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
+  _silu(f)  # (transformers' Mixtral has no attention biases)
+  _unquantized(f)
+  d_ff = f.size("intermediate_size")
+  model = ModelConfig(**_common(f, 1e6), d_ff=d_ff,
+                      sliding_window=f.size("sliding_window", low=0, null=0) or 0,
                       family="mixtral")
-  moe = MoEConfig(num_experts=_get(hf, "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
-                  d_ff_expert=d_ff, router=RouterConfig(score="softmax", norm_topk_prob=True))
-  return model, moe
+  jitter = f.number("router_jitter_noise", open_low=False)
+  if jitter >= 1:
+    raise ConfigError(f"{f.source}: router_jitter_noise must be below 1, got {jitter}")
+  moe = MoEConfig(num_experts=f.size("num_local_experts", "num_experts"),
+                  top_k=f.size("num_experts_per_tok"), d_ff_expert=d_ff,
+                  router=RouterConfig(score="softmax", norm_topk_prob=True, jitter=jitter),
+                  balance=BalanceConfig(aux_loss_coef=f.number("router_aux_loss_coef",
+                                                               open_low=False)))
+  return model, moe, False
 
 
 def _mixtral_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
   return dict(_common_to_hf(m), architectures=["MixtralForCausalLM"], model_type="mixtral",
               intermediate_size=moe.d_ff_expert, num_local_experts=moe.num_experts,
               num_experts_per_tok=moe.top_k, sliding_window=m.sliding_window or None,
+              router_jitter_noise=moe.router.jitter,
               router_aux_loss_coef=moe.balance.aux_loss_coef)
 
 
-def _deepseek_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
-  _no_attention_bias(hf)
-  common = _common(hf)
-  nope, rope = _get(hf, "qk_nope_head_dim"), _get(hf, "qk_rope_head_dim")
-  common.update(num_kv_heads=common["num_heads"], head_dim=nope + rope)
-  model = ModelConfig(**common, d_ff=_get(hf, "intermediate_size"), attention="mla",
-                      mla=MLAConfig(q_lora_rank=hf.get("q_lora_rank") or 0,
-                                    kv_lora_rank=_get(hf, "kv_lora_rank"), qk_nope_head_dim=nope,
-                                    qk_rope_head_dim=rope, v_head_dim=_get(hf, "v_head_dim")),
-                      family="deepseek_v3", mtp_depth=hf.get("num_nextn_predict_layers") or 0)
+DEEPSEEK_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=None, head_dim=None,
+                         rms_norm_eps=1e-6, max_position_embeddings=4096, attention_bias=False,
+                         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         kv_lora_rank=512, q_lora_rank=1536, n_shared_experts=1,
+                         first_k_dense_replace=3, n_group=8, topk_group=4, norm_topk_prob=True,
+                         routed_scaling_factor=2.5, rope_interleave=True,
+                         num_nextn_predict_layers=1, scoring_func="sigmoid",
+                         topk_method="noaux_tc", moe_layer_freq=1)
+
+
+def _deepseek_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
+  _no_attention_bias(f)
+  _silu(f)
+  _unquantized(f)
+  common = _common(f, 10_000.0, all_dim_ok=True)
+  if common["num_kv_heads"] != common["num_heads"]:
+    raise ConfigError(f"{f.source}: num_key_value_heads ({common['num_kv_heads']}) must equal "
+                      f"num_attention_heads ({common['num_heads']}): latent attention has a key "
+                      f"and a value for each query head")
+  f.equals("scoring_func", "sigmoid", "DeepSeek-V3's router scores with sigmoid")
+  f.equals("topk_method", "noaux_tc", "DeepSeek-V3 chooses experts by noaux_tc")
+  f.equals("moe_layer_freq", 1, "every layer after first_k_dense_replace is an MoE layer")
+  nope, rope = f.size("qk_nope_head_dim"), f.size("qk_rope_head_dim")
+  common.update(head_dim=nope + rope)
+  model = ModelConfig(**common, d_ff=f.size("intermediate_size"), attention="mla",
+                      mla=MLAConfig(q_lora_rank=f.size("q_lora_rank", null=0),
+                                    kv_lora_rank=f.size("kv_lora_rank"), qk_nope_head_dim=nope,
+                                    qk_rope_head_dim=rope, v_head_dim=f.size("v_head_dim")),
+                      family="deepseek_v3",
+                      mtp_depth=f.size("num_nextn_predict_layers", "num_mtp_layers", low=0,
+                                       null=0))
   moe = MoEConfig(
-      num_experts=_get(hf, "n_routed_experts", "num_local_experts"),
-      top_k=_get(hf, "num_experts_per_tok"), d_ff_expert=_get(hf, "moe_intermediate_size"),
-      num_shared_experts=hf.get("n_shared_experts") or 0,
-      first_k_dense=hf.get("first_k_dense_replace") or 0,
-      router=RouterConfig(score="sigmoid", norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
-                          scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
-                          num_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1),
+      num_experts=f.size("n_routed_experts", "num_local_experts"),
+      top_k=f.size("num_experts_per_tok"), d_ff_expert=f.size("moe_intermediate_size"),
+      num_shared_experts=f.size("n_shared_experts", low=0, null=0),
+      first_k_dense=f.size("first_k_dense_replace", low=0, null=0),
+      router=RouterConfig(score="sigmoid", norm_topk_prob=f.flag("norm_topk_prob"),
+                          scaling_factor=f.number("routed_scaling_factor"),
+                          num_groups=f.size("n_group", null=1),
+                          topk_groups=f.size("topk_group", null=1)),
       # DeepSeek-V3's recipe: a small sequence-wise balance loss and the selection bias.
       balance=BalanceConfig(aux_loss_coef=0.0001, aux_loss_type="seq", bias_update_rate=0.001))
-  return model, moe
+  return model, moe, f.flag("rope_interleave")
 
 
 def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
@@ -179,34 +306,56 @@ def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
               qk_nope_head_dim=m.mla.qk_nope_head_dim, qk_rope_head_dim=m.mla.qk_rope_head_dim,
               v_head_dim=m.mla.v_head_dim, rope_interleave=True,
               num_nextn_predict_layers=m.mtp_depth,
+              # Latent attention has a key and value per query head, whatever model.num_kv_heads
+              # says (jmoe's MLA does not read it; transformers' fails unless they are equal).
+              num_key_value_heads=m.num_heads,
               head_dim=m.mla.qk_rope_head_dim,  # transformers' rotary size for DeepSeek
               max_position_embeddings=max(m.yarn.original_max_len,
                                           int(m.yarn.original_max_len * m.yarn.factor)))
 
 
-def _gpt_oss_to_jmoe(hf: dict) -> tuple[ModelConfig, MoEConfig]:
-  layers, window = _get(hf, "num_hidden_layers"), hf.get("sliding_window") or 0
-  kinds = hf.get("layer_types") or ["sliding_attention"] * layers
-  alternating = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
-  if kinds == alternating:
-    full_every = 2
-  elif set(kinds) == {"sliding_attention"}:
-    full_every = 0
-  elif set(kinds) == {"full_attention"}:
-    full_every, window = 0, 0
-  else:
-    raise ConfigError(f"layer_types {kinds} is not a pattern jmoe has (all sliding, all full, or "
-                      f"alternating from sliding)")
-  d_ff = _get(hf, "intermediate_size")
-  model = ModelConfig(**_common(hf), d_ff=d_ff, sliding_window=window if window else 0,
-                      full_attention_every=full_every if window else 0,
-                      attention_bias=bool(hf.get("attention_bias", True)), attention_sinks=True,
+GPT_OSS_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                        max_position_embeddings=131072, sliding_window=128, attention_bias=True,
+                        swiglu_limit=7.0)
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 4096}
+
+
+def _full_attention_every(f: HFFields, layers: int) -> tuple[int, bool]:
+  """(model.full_attention_every, whether any layer is windowed) for GPT-OSS's layer_types."""
+  default = [("sliding_attention", "full_attention")[i % 2] for i in range(layers)]
+  kinds = f.value("layer_types", default=default, null=default)
+  if (not isinstance(kinds, list) or len(kinds) != layers or
+      not set(kinds) <= {"sliding_attention", "full_attention"}):
+    raise ConfigError(f"{f.source}: layer_types must list sliding_attention or full_attention "
+                      f"for each of the {layers} layers, got {kinds!r}")
+  windowed = [kind == "sliding_attention" for kind in kinds]
+  for every in range(layers + 1):  # 0: all windowed; k: layer i full where i % k == k - 1
+    if windowed == [not every or i % every != every - 1 for i in range(layers)]:
+      return every, any(windowed)
+  raise ConfigError(f"{f.source}: layer_types {kinds} is not a pattern jmoe has (windowed "
+                    f"layers with every k-th layer full: model.full_attention_every)")
+
+
+def _gpt_oss_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
+  _unquantized(f, allowed=("mxfp4",))
+  layers = f.size("num_hidden_layers")
+  every, any_window = _full_attention_every(f, layers)
+  window = f.size("sliding_window", low=0, null=0) if any_window else 0
+  f.read.add("sliding_window")
+  f.equals("swiglu_limit", 7.0, "transformers' GPT-OSS clamps its experts at 7.0")
+  d_ff = f.size("intermediate_size")
+  model = ModelConfig(**_common(f, 150_000.0, GPT_OSS_ROPE), d_ff=d_ff, sliding_window=window,
+                      full_attention_every=every if window else 0,
+                      attention_bias=f.flag("attention_bias"), attention_sinks=True,
                       family="gpt_oss")
-  moe = MoEConfig(num_experts=_get(hf, "num_local_experts"), top_k=_get(hf, "num_experts_per_tok"),
-                  d_ff_expert=d_ff, expert_bias=True, activation="clamped_swiglu",
-                  swiglu_limit=float(hf.get("swiglu_limit") or 7.0), swiglu_alpha=1.702,
-                  router=RouterConfig(score="softmax_topk", bias=True))
-  return model, moe
+  moe = MoEConfig(num_experts=f.size("num_local_experts", "num_experts"),
+                  top_k=f.size("num_experts_per_tok"), d_ff_expert=d_ff, expert_bias=True,
+                  activation="clamped_swiglu", swiglu_limit=7.0, swiglu_alpha=1.702,
+                  router=RouterConfig(score="softmax_topk", bias=True),
+                  balance=BalanceConfig(aux_loss_coef=f.number("router_aux_loss_coef",
+                                                               open_low=False)))
+  return model, moe, False
 
 
 def _gpt_oss_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
@@ -220,15 +369,22 @@ def _gpt_oss_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
 
 FAMILIES = {
     "qwen3_moe": Family("Qwen3MoeForCausalLM", "qwen3_moe", _qwen3_to_jmoe, _qwen3_to_hf,
-                        moe_prefix="mlp", expert_names=("gate_proj", "up_proj", "down_proj")),
+                        QWEN3_DEFAULTS, moe_prefix="mlp",
+                        expert_names=("gate_proj", "up_proj", "down_proj")),
     "mixtral": Family("MixtralForCausalLM", "mixtral", _mixtral_to_jmoe, _mixtral_to_hf,
-                      moe_prefix="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+                      MIXTRAL_DEFAULTS, moe_prefix="block_sparse_moe",
+                      expert_names=("w1", "w3", "w2")),
     "deepseek_v3": Family("DeepseekV3ForCausalLM", "deepseek_v3", _deepseek_to_jmoe,
-                          _deepseek_to_hf, moe_prefix="mlp",
-                          expert_names=("gate_proj", "up_proj", "down_proj"), mtp_layers=True),
+                          _deepseek_to_hf, DEEPSEEK_DEFAULTS, moe_prefix="mlp",
+                          expert_names=("gate_proj", "up_proj", "down_proj"), mtp_layers=True,
+                          ignored=frozenset(("qk_head_dim", "pretraining_tp",
+                                             "aux_loss_alpha", "seq_aux", "ep_size"))),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss_to_jmoe, _gpt_oss_to_hf,
-                      moe_prefix="mlp", expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
-                      router_name="router", fused_experts=True),
+                      GPT_OSS_DEFAULTS, moe_prefix="mlp",
+                      expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
+                      router_name="router", fused_experts=True,
+                      ignored=frozenset(("hidden_act", "experts_per_token",
+                                         "initial_context_length"))),
 }
 
 
@@ -253,7 +409,12 @@ def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:
   if m.family not in FAMILIES:
     raise ConfigError(f"model.family is {m.family!r}; set it to one of {sorted(FAMILIES)} to "
                       f"export to Hugging Face")
-  r = moe.router
+  r, y = moe.router, m.yarn
+  yarn = {"model.yarn.mscale > 0 with model.yarn.mscale_all_dim (transformers then ignores mscale)":
+          not (y.factor > 1 and y.mscale_all_dim and not y.mscale)}
+  if m.family != "deepseek_v3":
+    yarn["model.yarn.mscale_all_dim=0 (transformers scales the attention logits by it for "
+         "DeepSeek-V3 only)"] = not (y.factor > 1 and y.mscale_all_dim)
   plain = {"no attention bias or sinks": not (m.attention_bias or m.attention_sinks),
            "no expert biases, plain SwiGLU": not moe.expert_bias and moe.activation == "swiglu"}
   if m.family == "gpt_oss":
@@ -264,7 +425,9 @@ def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:
              moe.swiglu_alpha == 1.702, "no shared experts, groups or selection bias":
              not moe.num_shared_experts and r.num_groups == 1 and
              moe.balance.bias_update_rate == 0, "model.qk_norm=False": not m.qk_norm,
-             "moe.first_k_dense=0": not moe.first_k_dense}
+             "moe.first_k_dense=0": not moe.first_k_dense, "moe.swiglu_limit=7 (transformers' "
+             "fixed clamp)": moe.swiglu_limit == 7.0, "moe.router.scaling_factor=1":
+             r.scaling_factor == 1.0}
   elif m.family == "deepseek_v3":
     needs = {"model.attention=mla": m.attention == "mla", "moe.router.score=sigmoid":
              r.score == "sigmoid", "no router bias": not r.bias, "moe.balance.bias_update_rate > 0 "
@@ -275,13 +438,15 @@ def check_exportable(m: ModelConfig, moe: MoEConfig) -> Family:
     needs = {"model.attention=gqa": m.attention == "gqa", "moe.router.score=softmax":
              r.score == "softmax", "no router groups, bias or scaling": r.num_groups == 1 and
              not r.bias and r.scaling_factor == 1.0, "no shared experts": not moe.num_shared_experts,
-             "no selection bias": moe.balance.bias_update_rate == 0, **plain}
+             "no selection bias": moe.balance.bias_update_rate == 0,
+             "model.full_attention_every=0 (the window on every layer, or on none)":
+             not (m.sliding_window and m.full_attention_every), **plain}
     if m.family == "mixtral":
       needs.update({"model.qk_norm=False": not m.qk_norm, "moe.first_k_dense=0":
                     not moe.first_k_dense, "moe.router.norm_topk_prob=True": r.norm_topk_prob})
     else:
       needs["model.qk_norm=True"] = m.qk_norm
-  missing = [what for what, ok in needs.items() if not ok]
+  missing = [what for what, ok in {**needs, **yarn}.items() if not ok]
   if missing:
     raise ConfigError(f"model.family={m.family} needs {', '.join(missing)}")
   return FAMILIES[m.family]

@@ -56,19 +56,50 @@ class SafetensorsReader:
                         f"{str(e)[:200]}); download it again") from None
 
   def __call__(self, name: str, rows: slice | None = None) -> np.ndarray:
-    """The tensor `name` (only `rows` of its leading axis, if given)."""
+    """The weight `name` (only `rows` of its leading axis, if given), of a floating-point dtype
+    and every value finite (checked here, as each is read for conversion); MXFP4 weights
+    (`name`_blocks and _scales) dequantized to float32."""
     if name not in self.weight_map and f"{name}_blocks" in self.weight_map:
-      return dequantize_mxfp4(self(f"{name}_blocks", rows), self(f"{name}_scales", rows), name)
+      value = dequantize_mxfp4(self.read(f"{name}_blocks", rows, MXFP4_DTYPES),
+                               self.read(f"{name}_scales", rows, MXFP4_DTYPES), name)
+      where = f"the MXFP4 tensors {name}_blocks and {name}_scales"
+    else:
+      value, where = self.read(name, rows, FLOAT_DTYPES), f"tensor {name!r}"
+    bad = value.size - np.count_nonzero(np.isfinite(value))
+    if not bad and value.dtype == np.float64:  # finite, but past float32 once converted
+      bad = np.count_nonzero(np.abs(value) > np.finfo(np.float32).max)
+    if bad:
+      raise ConfigError(f"{where} in {self.directory} holds {bad} non-finite value(s) (NaN or "
+                        f"inf, or past float32's range) of {value.size}: the checkpoint is "
+                        f"damaged; download it again")
+    return value
+
+  def read(self, name: str, rows: slice | None, dtypes: tuple[str, ...]) -> np.ndarray:
+    """The tensor `name` as stored (only `rows` of its leading axis, if given), which must have
+    one of the safetensors `dtypes`."""
     if name not in self.weight_map:
       raise ConfigError(f"tensor {name!r} is missing from {self.directory}")
     self.used.add(name)
     path = self.directory / self.weight_map[name]
     with self._open(path) as f:
       try:
+        stored = f.get_slice(name).get_dtype()
+        if stored not in dtypes:
+          raise ConfigError(f"tensor {name!r} in {path} is {stored}; jmoe imports weights of "
+                            f"{', '.join(dtypes)} (a quantized checkpoint: convert a "
+                            f"dequantized copy)")
         return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+      except ConfigError:
+        raise
       except Exception as e:  # noqa: BLE001 - a truncated file fails here
         raise ConfigError(f"tensor {name!r} cannot be read from {path} ({type(e).__name__}: "
                           f"{str(e)[:200]}); download it again") from None
+
+
+# The stored dtypes import takes (converted to the parameters' dtype), and those of MXFP4's
+# blocks and scales.
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+MXFP4_DTYPES = ("U8",)
 
 
 # What a model directory holds for its tokenizer and chat template; carried by import-hf into

@@ -1,7 +1,8 @@
 """Typed, frozen configuration: one dataclass per concern.
 
 The ml_collections file a user writes is converted into these once (see `load.py`); modules take
-only the sub-config they need, never the whole tree.
+only the sub-config they need, never the whole tree. Each number's range is in
+`validate.RANGES`, checked once with the rest of validation.
 """
 
 from __future__ import annotations

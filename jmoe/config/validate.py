@@ -1,5 +1,8 @@
 """Checks on a whole `Config`, once, with messages that name the key and say what to change.
 
+Every number of the schema has its range in `RANGES`, checked here and nowhere else; the checks
+after it are those between keys (top_k <= num_experts, warmup before the last step, ...).
+
 A key that names a variant from a registry is checked against that registry's own names: the
 kernels and policies of jmoe/ops/ here; the dispatchers (`moe.dispatcher`) by the MoE layer when it
 is built, and the Hugging Face families (`model.family`) by the trainer and the converters, whose
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from typing import NamedTuple
 
 from jmoe.config.schema import LORA_TARGETS, Config
 from jmoe.errors import ConfigError, not_one_of
@@ -29,26 +34,114 @@ ATTENTIONS = ("gqa", "mla")
 
 
 def validate(config: Config) -> None:
-  problems = [*_finite(config), *_model(config), *_moe(config), *_train(config), *_data(config),
-              *_other(config), *_lora(config)]
+  problems = [*_numbers(config), *_model(config), *_moe(config), *_train(config),
+              *_data(config), *_other(config), *_lora(config)]
   if problems:
     raise ConfigError("invalid config:\n  - " + "\n  - ".join(problems))
 
 
-def _finite(node, prefix: str = ""):
-  """Every float in the config is a finite number (`1e999` parses as inf, `nan` as NaN)."""
+# ---- every number's range, checked here once
+
+INT32 = 2**31 - 1  # sizes, counts and ids are int32 in the compiled step (token ids, indices)
+
+
+class Range(NamedTuple):
+  """An interval such as "[0, 1)" or "(0, inf)"; INT stands for the int32 limit."""
+  text: str
+  note: str = ""  # what some values mean, e.g. "0: off"
+
+  def bounds(self) -> tuple[float, float]:
+    low, high = re.fullmatch(r"[\[(](.+), (.+)[\])]", self.text).groups()
+    number = lambda t: INT32 if t == "INT" else float(t)
+    return number(low), number(high)
+
+  def __contains__(self, value) -> bool:
+    low, high = self.bounds()
+    above = value > low if self.text[0] == "(" else value >= low
+    below = value < high if self.text[-1] == ")" else value <= high
+    return above and below
+
+  def describe(self) -> str:
+    low, _ = self.bounds()
+    interval = self.text.replace("INT", str(INT32))
+    positive = (self.text.startswith("(0,") or self.text.startswith("[1,")
+                and self.text.endswith("INT]"))
+    note = f" ({self.note})" if self.note else ""
+    return f"positive, in {interval}{note}" if positive else f"in {interval}{note}"
+
+
+# Every int and float of the schema (tests/test_bad_inputs.py holds this table to the schema).
+RANGES = {
+    "model.vocab_size": Range("[1, INT]"), "model.d_model": Range("[1, INT]"),
+    "model.num_layers": Range("[1, INT]"), "model.num_heads": Range("[1, INT]"),
+    "model.num_kv_heads": Range("[1, INT]"), "model.head_dim": Range("[1, INT]"),
+    "model.d_ff": Range("[1, INT]"),
+    "model.rope_theta": Range("(1, inf)", "the base of the rotary wavelengths"),
+    "model.norm_eps": Range("(0, inf)"), "model.init_std": Range("(0, inf)"),
+    "model.sliding_window": Range("[0, INT]", "0: no window"),
+    "model.full_attention_every": Range("[0, INT]", "0: every layer windowed"),
+    "model.mtp_depth": Range("[0, INT]"), "model.scan_unroll": Range("[1, INT]"),
+    "model.mla.q_lora_rank": Range("[0, INT]", "0: no query latent"),
+    "model.mla.kv_lora_rank": Range("[1, INT]"), "model.mla.qk_nope_head_dim": Range("[1, INT]"),
+    "model.mla.qk_rope_head_dim": Range("[1, INT]"), "model.mla.v_head_dim": Range("[1, INT]"),
+    "model.yarn.factor": Range("[1, inf)", "1: no YaRN scaling"),
+    "model.yarn.original_max_len": Range("[1, INT]"),
+    "model.yarn.beta_fast": Range("(0, inf)"), "model.yarn.beta_slow": Range("(0, inf)"),
+    "model.yarn.mscale": Range("[0, inf)"),
+    "model.yarn.mscale_all_dim": Range("[0, inf)", "0: off"),
+    "moe.num_experts": Range("[1, INT]"), "moe.top_k": Range("[1, INT]"),
+    "moe.d_ff_expert": Range("[1, INT]"), "moe.num_shared_experts": Range("[0, INT]"),
+    "moe.first_k_dense": Range("[0, INT]"),
+    "moe.dispatch_factor": Range("[1, inf)", "a multiple of the mean load per peer"),
+    "moe.dispatch_chunks": Range("[1, INT]"),
+    "moe.capacity_factor": Range("[0, inf)", "None or 0: dropless"),
+    "moe.expert_blocks": Range("[0, inf)", "0: off"),
+    "moe.swiglu_limit": Range("(0, inf)"), "moe.swiglu_alpha": Range("(0, inf)"),
+    "moe.router.scaling_factor": Range("(0, inf)"), "moe.router.num_groups": Range("[1, INT]"),
+    "moe.router.topk_groups": Range("[1, INT]"), "moe.router.jitter": Range("[0, 1)", "0: off"),
+    "moe.balance.aux_loss_coef": Range("[0, inf)"), "moe.balance.z_loss_coef": Range("[0, inf)"),
+    "moe.balance.bias_update_rate": Range("[0, inf)", "0: off"),
+    **{f"parallel.{group}.{name}": Range("[-1, INT]", "-1: the rest of the devices")
+       for group, names in (("dense", ("data", "fsdp", "context", "tensor")),
+                            ("expert", ("data", "expert", "tensor"))) for name in names},
+    "parallel.pipeline": Range("[1, INT]"), "parallel.pipeline_repeats": Range("[1, INT]"),
+    "train.steps": Range("[1, INT]"), "train.batch_size": Range("[1, INT]"),
+    "train.micro_batch_size": Range("[0, INT]", "0: the whole batch at once"),
+    "train.seed": Range("[0, INT]"), "train.lr": Range("(0, inf)"),
+    "train.min_lr_ratio": Range("[0, 1]"), "train.warmup_steps": Range("[0, INT]"),
+    "train.weight_decay": Range("[0, inf)"), "train.b1": Range("[0, 1)"),
+    "train.b2": Range("[0, 1)"), "train.eps": Range("(0, inf)"),
+    "train.grad_clip": Range("[0, inf)", "0: off"), "train.mtp_loss_weight": Range("[0, inf)"),
+    "train.log_every": Range("[1, INT]"), "train.max_bad_steps": Range("[1, INT]"),
+    "train.eval_every": Range("[0, INT]", "0: no evaluation"),
+    "data.seq_len": Range("[1, INT]"), "data.eval_fraction": Range("[0, 1)"),
+    "data.eval_batches": Range("[1, INT]"), "data.prefetch": Range("[0, INT]"),
+    "data.max_corpus_bytes": Range("[1, INT]"),
+    "precision.fp8_amax_history": Range("[1, INT]"),
+    "checkpoint.every": Range("[0, INT]", "0: only the final save"),
+    "checkpoint.keep": Range("[1, INT]"),
+    "lora.rank": Range("[0, INT]", "0: no adapters"), "lora.alpha": Range("(0, inf)"),
+}
+
+
+def numbers(node, prefix: str = ""):
+  """(dotted key, value) of every int and float in a config (bools are not numbers here)."""
   for field in dataclasses.fields(node):
     value = getattr(node, field.name)
     if dataclasses.is_dataclass(value):
-      yield from _finite(value, f"{prefix}{field.name}.")
-    elif isinstance(value, float) and not math.isfinite(value):
-      yield f"{prefix}{field.name} must be a finite number, got {value}"
+      yield from numbers(value, f"{prefix}{field.name}.")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+      yield prefix + field.name, value
 
 
-def _positive(group: str, obj, *names: str):
-  for name in names:
-    if getattr(obj, name) <= 0:
-      yield f"{group}.{name} must be positive, got {getattr(obj, name)}"
+def _numbers(config: Config):
+  """Every number is finite (`1e999` parses as inf, `nan` as NaN) and in its key's range."""
+  for key, value in numbers(config):
+    if isinstance(value, float) and not math.isfinite(value):
+      yield f"{key} must be a finite number, got {value}"
+    elif value not in RANGES[key]:
+      none = "None or " if key == "moe.capacity_factor" else ""
+      yield f"{key} must be {none}{RANGES[key].describe()}, got {value}"
 
 
 def _one_of(key: str, value, allowed):
@@ -58,68 +151,41 @@ def _one_of(key: str, value, allowed):
 
 def _model(config: Config):
   m = config.model
-  yield from _positive("model", m, "vocab_size", "d_model", "num_layers", "num_heads",
-                       "num_kv_heads", "head_dim", "d_ff", "rope_theta", "norm_eps", "init_std",
-                       "scan_unroll")
   if m.num_kv_heads > 0 and m.num_heads % m.num_kv_heads:
     yield (f"model.num_heads ({m.num_heads}) must be a multiple of model.num_kv_heads "
            f"({m.num_kv_heads}): each key/value head serves a whole group of query heads")
   if m.head_dim % 2:
     yield f"model.head_dim must be even for rotary embeddings, got {m.head_dim}"
-  if m.sliding_window < 0 or m.full_attention_every < 0 or m.mtp_depth < 0:
-    yield "model.sliding_window, model.full_attention_every and model.mtp_depth must be >= 0"
   yield from _one_of("model.attention", m.attention, ATTENTIONS)
   yield from _one_of("model.attention_kernel", m.attention_kernel, ["auto", *ATTENTION_KERNELS])
-  if m.attention == "mla":
-    yield from _positive("model.mla", m.mla, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                         "v_head_dim")
-    if m.mla.qk_rope_head_dim % 2:
-      yield f"model.mla.qk_rope_head_dim must be even, got {m.mla.qk_rope_head_dim}"
-  if m.yarn.factor < 1:
-    yield f"model.yarn.factor must be >= 1 (1: no YaRN scaling), got {m.yarn.factor}"
+  if m.attention == "mla" and m.mla.qk_rope_head_dim % 2:
+    yield f"model.mla.qk_rope_head_dim must be even, got {m.mla.qk_rope_head_dim}"
 
 
 def _moe(config: Config):
   moe = config.moe
-  yield from _positive("moe", moe, "num_experts", "top_k", "d_ff_expert")
   if moe.top_k > moe.num_experts:
     yield (f"moe.top_k ({moe.top_k}) is larger than moe.num_experts ({moe.num_experts}); "
            f"choose top_k <= num_experts")
-  if moe.num_shared_experts < 0:
-    yield f"moe.num_shared_experts must be >= 0, got {moe.num_shared_experts}"
-  if not 0 <= moe.first_k_dense <= config.model.num_layers:
+  if moe.first_k_dense > config.model.num_layers:
     yield (f"moe.first_k_dense ({moe.first_k_dense}) must be in [0, model.num_layers] = "
            f"[0, {config.model.num_layers}] (all layers dense: a dense model)")
   yield from _one_of("moe.gemm", moe.gemm, ["auto", *GEMM_BACKENDS])
-  if moe.dispatch_factor < 1:
-    yield (f"moe.dispatch_factor must be >= 1 (a multiple of the mean load per peer), got "
-           f"{moe.dispatch_factor}")
-  if moe.dispatch_chunks < 1:
-    yield f"moe.dispatch_chunks must be positive, got {moe.dispatch_chunks}"
-  if moe.expert_blocks < 0:
-    yield f"moe.expert_blocks must be >= 0 (0: off), got {moe.expert_blocks}"
   yield from _one_of("moe.router.score", moe.router.score, ROUTER_SCORES)
   yield from _one_of("moe.balance.aux_loss_type", moe.balance.aux_loss_type, AUX_LOSS_TYPES)
   yield from _one_of("moe.drop_policy", moe.drop_policy, DROP_POLICIES)
   yield from _one_of("moe.activation", moe.activation, GATED_ACTIVATIONS)
-  for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
-    if getattr(moe.balance, name) < 0:
-      yield f"moe.balance.{name} must be >= 0, got {getattr(moe.balance, name)}"
-  if moe.capacity_factor is not None and moe.capacity_factor < 0:
-    yield f"moe.capacity_factor must be None, 0 (dropless) or positive, got {moe.capacity_factor}"
-  if not 0 <= moe.router.jitter < 1:
-    yield f"moe.router.jitter must be in [0, 1), got {moe.router.jitter}"
-  if moe.router.scaling_factor <= 0:
-    yield f"moe.router.scaling_factor must be positive, got {moe.router.scaling_factor}"
   groups, top_groups = moe.router.num_groups, moe.router.topk_groups
-  if groups < 1 or moe.num_experts % groups:
+  if groups < 1 or top_groups < 1 or moe.num_experts < 1:
+    return  # (their ranges are reported)
+  if moe.num_experts % groups:
     yield (f"moe.router.num_groups ({groups}) must divide moe.num_experts ({moe.num_experts})")
   elif groups > 1:
     per_group = moe.num_experts // groups
     if per_group < 2:
       yield (f"moe.router.num_groups ({groups}) leaves {per_group} expert per group; groups are "
              f"scored by their two best experts, so use at most {moe.num_experts // 2} groups")
-    if not 1 <= top_groups <= groups:
+    if top_groups > groups:
       yield f"moe.router.topk_groups ({top_groups}) must be in [1, num_groups={groups}]"
     elif moe.top_k > top_groups * per_group:
       yield (f"moe.top_k ({moe.top_k}) is more than the {top_groups} x {per_group} experts in the "
@@ -128,31 +194,21 @@ def _moe(config: Config):
 
 def _train(config: Config):
   t = config.train
-  yield from _positive("train", t, "steps", "batch_size", "log_every", "lr", "max_bad_steps")
-  if t.micro_batch <= 0 or t.batch_size % t.micro_batch:
+  if t.micro_batch > 0 and t.batch_size % t.micro_batch:
     yield (f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
            f"({t.micro_batch_size}); use a divisor of the batch size, or 0 for no accumulation")
-  if not 0 <= t.warmup_steps < t.steps:
+  if t.warmup_steps >= t.steps:
     yield f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps) = [0, {t.steps})"
-  if not 0 <= t.min_lr_ratio <= 1:
-    yield f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}"
-  if t.grad_clip < 0 or t.weight_decay < 0:
-    yield "train.grad_clip and train.weight_decay must be >= 0"
   yield from _one_of("train.remat", t.remat, REMAT_POLICIES)
 
 
 def _data(config: Config):
   d = config.data
-  yield from _positive("data", d, "seq_len", "max_corpus_bytes", "eval_batches")
   yield from _one_of("data.packing", d.packing, PACKINGS)
   if not d.source.strip():
     yield "data.source is empty: name files or directories, or use stdlib"
-  if not 0 <= d.eval_fraction < 1:
-    yield f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}"
-  if config.train.eval_every and not d.eval_fraction:
+  if config.train.eval_every > 0 and not d.eval_fraction:
     yield "train.eval_every needs held-out documents: set data.eval_fraction (e.g. 0.01)"
-  if config.train.eval_every < 0 or d.prefetch < 0:
-    yield "train.eval_every and data.prefetch must be >= 0"
 
 
 BLACKWELL_FORMATS = ("mxfp8", "nvfp4")
@@ -167,8 +223,6 @@ def _precision(p):
   yield from _one_of("precision.gemm", p.gemm, ("bf16", "fp8"))
   yield from _one_of("precision.fp8_recipe", p.fp8_recipe, ("current", "delayed"))
   yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, FORMATS)
-  if p.fp8_amax_history < 1:
-    yield f"precision.fp8_amax_history must be >= 1, got {p.fp8_amax_history}"
   if p.gemm != "fp8" and p.fp8_dispatch:
     yield "precision.fp8_dispatch needs precision.gemm=fp8"
 
@@ -182,7 +236,7 @@ def _other(config: Config):
     layout = getattr(config.parallel, group)
     sizes = {k: v for k, v in vars(layout).items()}
     for name, size in sizes.items():
-      if size == 0 or size < -1:
+      if size == 0:
         yield f"parallel.{group}.{name} must be -1 (the rest of the devices) or positive, got {size}"
     if list(sizes.values()).count(-1) > 1:
       yield f"parallel.{group}: at most one size may be -1, got {sizes}"
@@ -190,8 +244,6 @@ def _other(config: Config):
   if config.moe.num_experts % max(config.parallel.expert.expert, 1):
     yield (f"moe.num_experts ({config.moe.num_experts}) must be a multiple of "
            f"parallel.expert.expert ({config.parallel.expert.expert})")
-  if config.checkpoint.every < 0 or config.checkpoint.keep < 1:
-    yield "checkpoint.every must be >= 0 and checkpoint.keep >= 1"
   if config.checkpoint.load_params_config and not config.checkpoint.load_params:
     yield ("checkpoint.load_params_config takes the model's architecture from "
            "checkpoint.load_params: name that checkpoint (--config.checkpoint.load_params=CKPT)")
@@ -199,8 +251,6 @@ def _other(config: Config):
 
 def _lora(config: Config):
   lora = config.lora
-  if lora.rank < 0:
-    yield f"lora.rank must be >= 0 (0: no adapters), got {lora.rank}"
   if lora.rank <= 0:
     return
   targets = [t.strip() for t in lora.targets.split(",") if t.strip()]
@@ -208,8 +258,6 @@ def _lora(config: Config):
   if unknown or not targets:
     yield (f"lora.targets names {unknown or 'nothing'}; give a comma-separated list of "
            f"{', '.join(LORA_TARGETS)}")
-  if lora.alpha <= 0:
-    yield f"lora.alpha must be positive, got {lora.alpha}"
   if not config.checkpoint.load_params:
     yield ("lora.rank > 0 trains adapters on a frozen model, read from checkpoint.load_params "
            "(and read again on resume: the run's checkpoints hold only the adapters): name it")
@@ -217,10 +265,8 @@ def _lora(config: Config):
 
 def _pipeline(config: Config):
   p = config.parallel
-  if p.pipeline < 1 or p.pipeline_repeats < 1:
-    yield (f"parallel.pipeline ({p.pipeline}) and parallel.pipeline_repeats "
-           f"({p.pipeline_repeats}) must be >= 1")
-    return
+  if p.pipeline < 1 or p.pipeline_repeats < 1 or config.train.micro_batch < 1:
+    return  # (their ranges are reported)
   if p.pipeline == 1:
     if p.pipeline_repeats > 1:
       yield "parallel.pipeline_repeats > 1 needs pipeline stages: set parallel.pipeline > 1"
