@@ -1,16 +1,18 @@
 """Per-token log-probabilities of token sequences under a jmoe model.
 
-  python -m jmoe.score --checkpoint CKPT --tokens-file F [--out F.json]
+  python -m jmoe.score --checkpoint CKPT --tokens-file F [--out F.json [--overwrite]]
 
 F holds one sequence per line, token ids separated by spaces. The output is a JSON list with one
 {"tokens": [...], "logprobs": [...]} per sequence, logprobs[i] = log p(tokens[i+1] | tokens[:i+1]).
 CKPT is a model checkpoint (from `jmoe.convert import-hf`) or a training workdir. The model runs
-data-parallel on all devices present.
+data-parallel on all devices present. F.json appears once complete; a file already there is
+replaced only with --overwrite, and never an input.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import pathlib
@@ -18,6 +20,7 @@ import sys
 
 from jmoe.cli import run
 from jmoe.config import ConfigError, ParallelConfig
+from jmoe.outputs import check, written
 
 
 def read_tokens(path: str | pathlib.Path, vocab_size: int) -> list[list[int]]:
@@ -63,24 +66,31 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jmoe.score", description=__doc__.split("\n")[0])
   parser.add_argument("--checkpoint", required=True)
   parser.add_argument("--tokens-file", required=True)
-  parser.add_argument("--out", help="where to write the JSON; default: standard output")
+  parser.add_argument("--out", help="where to write the JSON (a new file); default: standard "
+                                     "output")
+  parser.add_argument("--overwrite", action="store_true", help="replace the file --out names")
   args = parser.parse_args(argv)
 
   def command() -> int:
     from jmoe.checkpoint.params import load_model
     from jmoe.inference.score import score
     from jmoe.parallel import make_layout
-    layout = make_layout(ParallelConfig())
-    config, model = load_model(args.checkpoint, layout)
-    sequences = read_tokens(args.tokens_file, config.model.vocab_size)
-    result = [{"tokens": s, "logprobs": lp} for s, lp in zip(sequences,
-                                                             score(model, layout, sequences))]
-    _check_finite([r["logprobs"] for r in result], args)
-    text = json.dumps(result)
-    if args.out:
-      pathlib.Path(args.out).write_text(text)
-    else:
-      print(text)
+    with contextlib.ExitStack() as stack:
+      if args.out is not None:  # checked (and its temporary made) before any work
+        tmp = stack.enter_context(written(check(
+            args.out, directory=False, overwrite=args.overwrite,
+            inputs={"--tokens-file": args.tokens_file, "--checkpoint": args.checkpoint})))
+      layout = make_layout(ParallelConfig())
+      config, model = load_model(args.checkpoint, layout)
+      sequences = read_tokens(args.tokens_file, config.model.vocab_size)
+      result = [{"tokens": s, "logprobs": lp} for s, lp in zip(sequences,
+                                                               score(model, layout, sequences))]
+      _check_finite([r["logprobs"] for r in result], args)
+      text = json.dumps(result)
+      if args.out is None:
+        print(text)
+      else:
+        tmp.write_text(text)
     return 0
 
   return run(command)

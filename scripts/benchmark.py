@@ -113,6 +113,17 @@ def commit() -> str:
   return head.stdout.strip() + ("+changes" if git("diff", "--quiet", "HEAD").returncode else "")
 
 
+def check_outputs(args: argparse.Namespace) -> int:
+  """Refuses a --record or --profile that cannot be written (a directory as --record, a path
+  under a file, no permission), so that no run is timed for nothing."""
+  from jmoe.outputs import writable
+  if args.record:
+    writable(args.record, directory=False, flag="--record")
+  if args.profile:
+    writable(args.profile, directory=True, flag="--profile")
+  return 0
+
+
 def append_record(path: str, record: dict) -> None:
   with open(path, "a") as f:
     f.write(json.dumps(record) + "\n")
@@ -178,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
+  refused = run(lambda: check_outputs(args))  # before anything is compiled or timed
+  if refused:
+    return refused
   if args.peer:  # this process only drives the two measurements
     child = [a for i, a in enumerate(argv) if a not in ("--peer", "--record")
              and not (i and argv[i - 1] == "--record") and not a.startswith("--record=")]

@@ -70,6 +70,16 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--work", required=True, help="an empty or new directory for the files")
   args = parser.parse_args(rest)
+  from jmoe.cli import run
+  from jmoe.outputs import check
+
+  def new_work() -> int:  # the files it writes replace nothing of the user's
+    check(args.work, directory=True, flag="--work")
+    return 0
+
+  refused = run(new_work)
+  if refused:
+    return refused
   work = pathlib.Path(args.work)
   work.mkdir(parents=True, exist_ok=True)
   # The generated checkpoint, in a child too, so that this process holds no model.

@@ -1,10 +1,11 @@
 """Draws a run's expert load and loss curves from its workdir.
 
-  python scripts/plot_expert_load.py --workdir DIR [--out FILE.png] [--step N]
+  python scripts/plot_expert_load.py --workdir DIR [--out FILE.png] [--overwrite] [--step N]
 
 One PNG with three panels: a layer x expert heatmap of the load at one logged step (the last by
 default), as a multiple of the balanced share (1.0 everywhere is perfect balance); the busiest
-expert's load over the steps; and the loss curves. Needs matplotlib (`pip install -e ".[plot]"`).
+expert's load over the steps; and the loss curves. The PNG appears once drawn, and replaces a
+file already there only with --overwrite. Needs matplotlib (`pip install -e ".[plot]"`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import pathlib
 import sys
 
 import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def read_metrics(workdir: pathlib.Path) -> list[dict]:
@@ -27,7 +31,7 @@ def read_metrics(workdir: pathlib.Path) -> list[dict]:
   return records
 
 
-def plot(records: list[dict], out: pathlib.Path, step: int | None = None) -> pathlib.Path:
+def plot(records: list[dict], out: pathlib.Path, step: int | None = None) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -52,20 +56,31 @@ def plot(records: list[dict], out: pathlib.Path, step: int | None = None) -> pat
   ax_loss.set(title="loss", xlabel="step")
   ax_loss.legend()
   fig.tight_layout()
-  fig.savefig(out, dpi=100)
+  fig.savefig(out, dpi=100, format="png")
   plt.close(fig)
-  return out
 
 
 def main(argv: list[str] | None = None) -> int:
+  from jmoe.cli import run
+  from jmoe.outputs import check, written
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workdir", required=True, type=pathlib.Path)
-  parser.add_argument("--out", type=pathlib.Path, help="default: WORKDIR/expert_load.png")
+  parser.add_argument("--out", help="default: WORKDIR/expert_load.png")
+  parser.add_argument("--overwrite", action="store_true", help="replace the file at --out")
   parser.add_argument("--step", type=int, help="the logged step for the heatmap; default: the last")
   args = parser.parse_args(argv)
-  out = plot(read_metrics(args.workdir), args.out or args.workdir / "expert_load.png", args.step)
-  print(out)
-  return 0
+
+  def command() -> int:
+    records = read_metrics(args.workdir)
+    out = check(args.workdir / "expert_load.png" if args.out is None else args.out,
+                directory=False, overwrite=args.overwrite,
+                inputs={"--workdir": args.workdir / "metrics.jsonl"})
+    with written(out) as tmp:
+      plot(records, tmp, args.step)
+    print(out.path)
+    return 0
+
+  return run(command)
 
 
 if __name__ == "__main__":

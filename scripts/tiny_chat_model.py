@@ -47,6 +47,7 @@ def write_tokenizer(out: pathlib.Path) -> None:
 
 
 def write_model(out: pathlib.Path) -> None:
+  """The model into `out`, an empty directory."""
   from flax import nnx
   from jmoe.checkpoint.hf import export_hf
   from jmoe.checkpoint.params import save_model
@@ -55,7 +56,7 @@ def write_model(out: pathlib.Path) -> None:
   config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py", [f"model.vocab_size={VOCAB}"])
   with tempfile.TemporaryDirectory() as tmp:
     save_model(pathlib.Path(tmp) / "ckpt", nnx.state(model_factory(config)()), config)
-    export_hf(pathlib.Path(tmp) / "ckpt", out, overwrite=True)
+    export_hf(pathlib.Path(tmp) / "ckpt", out)
 
 
 def write_chats(path: pathlib.Path, count: int, seed: int = 0) -> None:
@@ -71,21 +72,31 @@ def write_chats(path: pathlib.Path, count: int, seed: int = 0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+  from jmoe.cli import run
+  from jmoe.config import ConfigError
+  from jmoe.outputs import check, written
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
-  parser.add_argument("--chats", help="also write this many conversations here (JSONL)")
+  parser.add_argument("--out", required=True, help="the Hugging Face directory to write (new)")
+  parser.add_argument("--chats", help="also write this many conversations here (JSONL, new)")
   parser.add_argument("--count", type=int, default=2000, help="conversations in --chats")
   args = parser.parse_args(argv)
-  out = pathlib.Path(args.out)
-  if out.exists() and any(out.iterdir()):
-    parser.error(f"{out} is not empty; choose a new --out (nothing was overwritten)")
-  write_model(out)
-  write_tokenizer(out)
-  print(f"wrote {out}")
-  if args.chats:
-    write_chats(pathlib.Path(args.chats), args.count)
-    print(f"wrote {args.chats} ({args.count} conversations)")
-  return 0
+
+  def command() -> int:  # both outputs checked before either is made
+    out = check(args.out, directory=True)
+    chats = None if args.chats is None else check(args.chats, directory=False, flag="--chats")
+    if chats is not None and chats.path == out.path:
+      raise ConfigError(f"--chats and --out both name {out.path}; give each its own path")
+    with written(out) as tmp:
+      write_model(tmp)
+      write_tokenizer(tmp)
+    print(f"wrote {out.path}")
+    if chats is not None:
+      with written(chats) as tmp:
+        write_chats(tmp, args.count)
+      print(f"wrote {chats.path} ({args.count} conversations)")
+    return 0
+
+  return run(command)
 
 
 if __name__ == "__main__":

@@ -202,8 +202,11 @@ def tune(gemm: Gemm, to_time: list, reps: int, deadline: float) -> dict | None:
 
 def write_table(out: pathlib.Path, measured: dict, tuned: dict, stats: dict) -> None:
   """Merges `tuned` (key -> tile config, or None: the default wins, drop the key) and `stats`
-  (key -> figures) into the table at `out`; keys it holds and these lack stay."""
-  table = json.loads(out.read_text()) if out.is_file() else {}
+  (key -> figures) into the table at `out`; keys it holds and these lack stay. The new table
+  replaces the one read only if no one else changed it meanwhile (jmoe.outputs)."""
+  from jmoe.outputs import check, written
+  output = check(out, directory=False, overwrite=True)
+  table = read_table(output.path)
   tiles, figures = table.setdefault("tiles", {}), table.setdefault("stats", {})
   for key, value in tuned.items():
     if value is None:
@@ -212,7 +215,24 @@ def write_table(out: pathlib.Path, measured: dict, tuned: dict, stats: dict) -> 
       tiles[key] = value
   figures.update(stats)
   table["measured"] = measured
-  out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+  with written(output) as tmp:
+    tmp.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def read_table(path: pathlib.Path) -> dict:
+  """The tile table at `path` ({} when there is none yet)."""
+  from jmoe.config import ConfigError
+  if not path.is_file():
+    return {}
+  try:
+    table = json.loads(path.read_text())
+  except ValueError as e:
+    raise ConfigError(f"--out {path} is not a tile table ({e}); restore it or choose another "
+                      f"--out") from None
+  if not isinstance(table, dict):
+    raise ConfigError(f"--out {path} is not a tile table (a JSON object); restore it or choose "
+                      f"another --out")
+  return table
 
 
 def load_configs(paths: list[str], overrides: list[str]) -> tuple[list, list[str]]:
@@ -244,10 +264,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--dry-run", action="store_true", help="list shapes and candidates only")
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--only", help="comma-separated GEMM names (e.g. up_fwd,down_drhs)")
-  from jmoe.cli import split_overrides
+  from jmoe.cli import run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
-  start = time.monotonic()
   paths = args.config + ([str(p) for p in preset_paths()] if args.presets else [])
   first = {}  # a config named twice (by --config and by --presets) counts once, where first named
   for path in paths:
@@ -255,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
   paths = list(first.values())
   if not paths:
     parser.error("name a --config or --presets")
+  return run(lambda: sweep(args, paths, overrides))
+
+
+def sweep(args: argparse.Namespace, paths: list[str], overrides: list[str]) -> int:
+  """Times the GEMM shapes of the configs at `paths`, writing the table after each."""
+  from jmoe.outputs import check
+  start = time.monotonic()
+  out = check(args.out, directory=False, overwrite=True).path  # before any timing
   configs, skipped = load_configs(paths, overrides)
-  out = pathlib.Path(args.out)
-  held = set(json.loads(out.read_text()).get("tiles", {})) if out.is_file() else set()
+  held = set(read_table(out).get("tiles", {}))
   shapes = [(gemm, sources) for key, (gemm, sources) in collect(configs, args.tokens).items()
             if not (args.only and gemm.name not in args.only.split(","))
             and not (args.skip_tuned and key in held)]

@@ -878,3 +878,347 @@ def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
           r"ckpt gives token \d \(from 0\) of sequence 2 in .*tokens.txt the log-probability nan "
           r"\(\d such in that sequence\).*nothing is written")
   assert hashes(tmp_path / "ckpt", tokens) == before and not (tmp_path / "scores.json").exists()
+# ---- outputs of conversions, prepare and score ----
+# Every command that writes where a user says checks the place before any work, writes under a
+# temporary name of its own beside it, and moves that into place only if the place is still what
+# it checked (jmoe/outputs.py). The races below are made deterministic: the concurrent change is
+# done from inside the command, through a patched step of its work.
+
+def no_temporaries(*directories: pathlib.Path) -> bool:
+  return not [p for d in directories for p in d.glob(".*") if ".writing-" in p.name
+              or ".replaced-" in p.name]
+
+
+def docs(tmp_path) -> pathlib.Path:
+  for i in range(3):
+    write(tmp_path / "docs" / f"{i}.txt", f"document {i} " * 50)
+  return tmp_path / "docs"
+
+
+def output_case(name, tmp_path, hf_dir, workdir) -> tuple[list[str], Callable, str]:
+  """(argv, command, expected message) of each output that is refused before any work."""
+  afile = write(tmp_path / "afile", "mine")
+  tokens = tokens_file(tmp_path)
+  score_args = ["--checkpoint", str(workdir), "--tokens-file", str(tokens)]
+  under = "afile is a file, so nothing can be written under it; choose another --out"
+  cases = {
+      "import-hf --out under a file": (
+          ["import-hf", "--hf-dir", str(hf_dir), "--out", str(afile / "ckpt")], convert, under),
+      "export-hf --out under a file": (
+          ["export-hf", "--checkpoint", str(workdir), "--out", str(afile / "x" / "hf")], convert,
+          under),
+      "upcycle --out under a file": (
+          ["upcycle", "--checkpoint", str(workdir), "--config", CONFIG, "--out",
+           str(afile / "up")], convert, under),
+      "prepare --out under a file": (
+          ["--source", str(docs(tmp_path)), "--out", str(afile / "tokens")], prepare, under),
+      "score --out under a file": (score_args + ["--out", str(afile / "s.json")], score, under),
+      "score --out a directory": (
+          score_args + ["--out", str(docs(tmp_path)), "--overwrite"], score,
+          "docs is a directory; this command writes a file there"),
+      "import-hf --out a file": (
+          ["import-hf", "--hf-dir", str(hf_dir), "--out", str(afile), "--overwrite"], convert,
+          "afile is a file; this command writes a directory there"),
+      "score --out its --tokens-file": (
+          score_args + ["--out", str(tokens), "--overwrite"], score,
+          "tokens.txt is the --tokens-file input"),
+      "score --out a file of its --checkpoint": (
+          score_args + ["--out", str(workdir / "config.json"), "--overwrite"], score,
+          "config.json is part of the --checkpoint input"),
+      "score --out a link to its --tokens-file": (
+          score_args + ["--out", str(tmp_path / "link.txt"), "--overwrite"], score,
+          "link.txt is the --tokens-file input"),
+      "import-hf --out its --hf-dir": (
+          ["import-hf", "--hf-dir", str(hf_dir), "--out", str(hf_dir), "--overwrite"], convert,
+          "is the --hf-dir input"),
+      "import-hf --out above its --hf-dir": (
+          ["import-hf", "--hf-dir", str(hf_dir), "--out", str(hf_dir.parent), "--overwrite"],
+          convert, "holds the --hf-dir input"),
+      "export-hf --out its --checkpoint": (
+          ["export-hf", "--checkpoint", str(workdir), "--out", str(workdir), "--overwrite"],
+          convert, "is the --checkpoint input"),
+      "prepare --out its --source": (
+          ["--source", str(docs(tmp_path)), "--out", str(docs(tmp_path))], prepare,
+          "holds the --source input"),
+      "prepare --out its --tokenizer": (
+          ["--source", str(docs(tmp_path)), "--out", str(afile), "--tokenizer", str(afile)],
+          prepare, "afile is the --tokenizer input"),
+      "import-hf --out '' (an unset variable)": (
+          ["import-hf", "--hf-dir", str(hf_dir), "--out", "", "--overwrite"], convert,
+          "--out is empty (an unset shell variable?)"),
+      "score --out ''": (score_args + ["--out", ""], score, "--out is empty"),
+  }
+  (tmp_path / "link.txt").symlink_to(tokens)
+  return cases[name]
+
+
+@pytest.mark.parametrize("name", [
+    "import-hf --out under a file", "export-hf --out under a file", "upcycle --out under a file",
+    "prepare --out under a file", "score --out under a file", "score --out a directory",
+    "import-hf --out a file", "score --out its --tokens-file",
+    "score --out a file of its --checkpoint", "score --out a link to its --tokens-file",
+    "import-hf --out its --hf-dir", "import-hf --out above its --hf-dir",
+    "export-hf --out its --checkpoint", "prepare --out its --source",
+    "prepare --out its --tokenizer", "import-hf --out '' (an unset variable)", "score --out ''"])
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(hf_dir, workdir, tmp_path,
+                                                                    monkeypatch, name):
+  argv, command, message = output_case(name, tmp_path, hf_dir, workdir)
+  monkeypatch.chdir(tmp_path)
+  before = hashes(tmp_path, hf_dir)
+  result = command(*argv)
+  refused(result, message)
+  assert "compiled" not in result.err and "wrote" not in result.err
+  assert hashes(tmp_path, hf_dir) == before and no_temporaries(tmp_path, hf_dir.parent)
+
+
+@pytest.fixture
+def unwritable(tmp_path, monkeypatch) -> pathlib.Path:
+  """A directory this process may not write in: by its mode, or, for root (whom modes do not
+  stop), by what os.access and the creation of a file or directory there say."""
+  directory = tmp_path / "locked"
+  directory.mkdir()
+  directory.chmod(0o555)
+  if os.access(directory, os.W_OK):
+    access, mkdir, open_ = os.access, os.mkdir, os.open
+    monkeypatch.setattr(os, "access", lambda path, mode, **kwargs: not (
+        pathlib.Path(path) == directory and mode & os.W_OK) and access(path, mode, **kwargs))
+
+    def refuse(make):
+      def made(path, *args, **kwargs):
+        if pathlib.Path(path).parent == directory:
+          raise PermissionError(13, "Permission denied", str(path))
+        return make(path, *args, **kwargs)
+      return made
+
+    monkeypatch.setattr(os, "mkdir", refuse(mkdir))
+    monkeypatch.setattr(os, "open", refuse(open_))
+  yield directory
+  directory.chmod(0o755)
+
+
+def test_an_unwritable_output_directory_is_named(hf_dir, workdir, tmp_path, unwritable):
+  source, tokens = docs(tmp_path), tokens_file(tmp_path)
+  before = hashes(tmp_path, hf_dir)
+  message = f"cannot write in {unwritable} (no permission, or a read-only file system)"
+  refused(convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(unwritable / "ckpt")),
+          message)
+  refused(convert("export-hf", "--checkpoint", str(workdir), "--out", str(unwritable / "hf")),
+          message)
+  refused(prepare("--source", str(source), "--out", str(unwritable / "new" / "tokens")), message)
+  refused(score("--checkpoint", str(workdir), "--tokens-file", str(tokens), "--out",
+                str(unwritable / "s.json")), message)
+  assert hashes(tmp_path, hf_dir) == before and not list(unwritable.iterdir())
+
+
+def test_a_file_system_error_while_writing_is_named_and_leaves_nothing(tmp_path, monkeypatch):
+  """Creating the temporary (the check said yes: the file system then said no), and a full disk
+  while writing: one line naming the path and what to do; no temporary, no output."""
+  import errno
+  from jmoe.data.prepare import ShardWriter
+  source, out = str(docs(tmp_path)), tmp_path / "new" / "tokens"
+  mkdir = os.mkdir
+
+  def refused_here(path, *args, **kwargs):
+    if ".writing-" in str(path):
+      raise PermissionError(errno.EACCES, "Permission denied", str(path))
+    return mkdir(path, *args, **kwargs)
+
+  monkeypatch.setattr(os, "mkdir", refused_here)
+  refused(prepare("--source", source, "--out", str(out)),
+          r"\.tokens\.writing-[\w-]+: Permission denied while writing --out .*tokens, which is "
+          r"left as it was; choose a place you can write")
+  monkeypatch.setattr(os, "mkdir", mkdir)
+  assert not (tmp_path / "new").exists()  # the directory made for it is gone too
+
+  def full(self, ids):
+    raise OSError(errno.ENOSPC, "No space left on device", str(self.directory / "tokens.bin"))
+
+  monkeypatch.setattr(ShardWriter, "add", full)
+  refused(prepare("--source", source, "--out", str(out)),
+          r"tokens.bin: No space left on device while writing --out .*tokens, which is left as it "
+          r"was; free some space")
+  assert not (tmp_path / "new").exists()
+
+
+def during(monkeypatch, owner, name: str, change: Callable[[], None]) -> None:
+  """Patches `owner.name` to call `change()` after it first returns: a concurrent change made
+  while the command works, at a set point."""
+  real = getattr(owner, name)
+  pending = [change]
+
+  def patched(*args, **kwargs):
+    value = real(*args, **kwargs)
+    if pending:
+      pending.pop()()
+    return value
+
+  monkeypatch.setattr(owner, name, patched)
+
+
+def kept_output(result: Result, out: pathlib.Path) -> pathlib.Path:
+  """The command's own output, which it kept (and named) when --out changed under it."""
+  refused(result, f"--out {out} changed while this command ran (something else wrote there) "
+                  f"and is left as it is; this command's output is in")
+  kept = pathlib.Path(result.err.split("this command's output is in ")[1].split(": move it")[0])
+  assert kept.parent == out.parent and kept.name.startswith(f".{out.name}.writing-")
+  return kept
+
+
+def test_import_hf_keeps_what_another_writes_to_its_out_meanwhile(hf_dir, tmp_path, monkeypatch):
+  import jmoe.checkpoint.hf as hf
+  out = tmp_path / "ckpt"
+  second = []
+  during(monkeypatch, hf, "save_streamed", lambda: second.append(
+      (convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(out)), hashes(out))))
+  result = convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(out))
+  (done, theirs), = second
+  assert done.code == 0 and theirs, done.err[-2000:]  # the second finished first
+  kept = kept_output(result, out)
+  assert hashes(out) == theirs and (kept / "config.json").is_file()
+  # A file a user puts there meanwhile stays, as does the directory an --overwrite checked and
+  # something else replaced.
+  user = tmp_path / "user"
+  during(monkeypatch, hf, "save_streamed", lambda: write(user / "mine.txt", "mine"))
+  kept_output(convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(user)), user)
+  assert (user / "mine.txt").read_text() == "mine" and len(list(user.iterdir())) == 1
+
+  def replace():
+    import shutil
+    shutil.rmtree(out)
+    write(out / "theirs.txt", "theirs")
+
+  during(monkeypatch, hf, "save_streamed", replace)
+  kept_output(convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(out), "--overwrite"), out)
+  assert [p.name for p in out.iterdir()] == ["theirs.txt"]
+
+
+def test_export_hf_overwrite_replaces_only_what_it_checked(hf_dir, tmp_path, monkeypatch):
+  import jmoe.checkpoint.hf as hf
+  checkpoint = tmp_path / "ckpt"
+  assert convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(checkpoint)).code == 0
+  out = write(tmp_path / "hf" / "old.txt", "old").parent
+  before = hashes(checkpoint)
+  with monkeypatch.context() as patch:
+    during(patch, hf, "_export", lambda: write(out / "added.txt", "added meanwhile"))
+    kept_output(convert("export-hf", "--checkpoint", str(checkpoint), "--out", str(out),
+                        "--overwrite"), out)
+  assert sorted(p.name for p in out.iterdir()) == ["added.txt", "old.txt"]
+  result = convert("export-hf", "--checkpoint", str(checkpoint), "--out", str(out), "--overwrite")
+  assert result.code == 0, result.err[-2000:]
+  assert (out / "config.json").is_file() and not (out / "old.txt").exists()
+  assert hashes(checkpoint) == before
+  assert not list(tmp_path.glob(".hf.replaced-*"))  # what it replaced is gone
+
+
+def test_two_prepares_on_one_out_never_share_files(tmp_path, monkeypatch):
+  """The second of two `prepare` runs on one --out to finish is refused (exit 2), keeping its
+  own complete output aside; the first's output is whole and untouched."""
+  from jmoe.data.prepare import ShardWriter
+  source, out = str(docs(tmp_path)), tmp_path / "tokens"
+  inner = []
+  during(monkeypatch, ShardWriter, "finish", lambda: inner.append(
+      (prepare("--source", source, "--out", str(out)), hashes(out))))
+  result = prepare("--source", source, "--out", str(out))
+  (done, first), = inner
+  assert done.code == 0 and first, done.err[-2000:]
+  kept = kept_output(result, out)
+  index = json.loads((out / "index.json").read_text())
+  assert hashes(out) == first and all((out / s["file"]).is_file() for s in index["shards"])
+  assert {p.name for p in kept.iterdir()} == {p.name for p in out.iterdir()}
+  # A file put at --out meanwhile stays as it is.
+  taken = tmp_path / "taken"
+  during(monkeypatch, ShardWriter, "finish", lambda: write(taken, "mine"))
+  kept_output(prepare("--source", source, "--out", str(taken)), taken)
+  assert taken.read_text() == "mine"
+
+
+def test_an_interrupted_prepare_or_import_leaves_the_target_as_it_was(hf_dir, tmp_path,
+                                                                      monkeypatch):
+  import jmoe.checkpoint.hf as hf
+  from jmoe.data.prepare import ShardWriter, prepare as prepare_tokens
+
+  def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+  monkeypatch.setattr(ShardWriter, "add", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    prepare_tokens(str(docs(tmp_path)), tmp_path / "tokens")
+  assert not (tmp_path / "tokens").exists() and no_temporaries(tmp_path)
+  out = write(tmp_path / "ckpt" / "old.txt", "old").parent
+  before = hashes(out)
+  monkeypatch.setattr(hf, "save_streamed", interrupt)
+  with pytest.raises(KeyboardInterrupt):
+    hf.import_hf(hf_dir, out, overwrite=True)
+  assert hashes(out) == before and no_temporaries(tmp_path)
+
+
+def test_score_writes_a_new_out_and_replaces_one_only_when_asked(workdir, tmp_path, monkeypatch):
+  import jmoe.inference.score as inference
+  args = ["--checkpoint", str(workdir), "--tokens-file", str(tokens_file(tmp_path))]
+  out = write(tmp_path / "scores.json", "precious")
+  before = hashes(out)
+  refused(score(*args, "--out", str(out)), "scores.json exists; give a new --out, or --overwrite")
+  assert hashes(out) == before
+  during(monkeypatch, inference, "score", lambda: write(out, "changed meanwhile"))
+  kept = kept_output(score(*args, "--out", str(out), "--overwrite"), out)
+  assert out.read_text() == "changed meanwhile" and len(json.loads(kept.read_text())) == 2
+  monkeypatch.undo()
+  result = score(*args, "--out", str(out), "--overwrite")
+  assert result.code == 0, result.err[-2000:]
+  assert [len(r["logprobs"]) for r in json.loads(out.read_text())] == [4, 2]
+  assert [p.name for p in tmp_path.glob(".scores.json.*")] == [kept.name]  # only the one named
+
+
+def test_publish_puts_back_what_was_replaced_between_its_look_and_its_move(tmp_path,
+                                                                           monkeypatch):
+  """The last moment: the checked file is swapped just before it is moved aside."""
+  from jmoe import outputs
+  out = write(tmp_path / "out.json", "checked")
+  checked = outputs.check(out, directory=False, overwrite=True)
+  rename = os.rename
+
+  def swap_first(src, dst):
+    if pathlib.Path(src) == out and ".replaced-" in str(dst):
+      out.unlink()
+      write(out, "someone else's")
+    return rename(src, dst)
+
+  with pytest.raises(outputs.ConfigError, match="changed while this command ran"):
+    with outputs.written(checked) as tmp:
+      tmp.write_text("ours")
+      monkeypatch.setattr(os, "rename", swap_first)
+  assert out.read_text() == "someone else's" and not list(tmp_path.glob(".out.json.replaced-*"))
+
+
+def test_scripts_check_their_outputs_first(tmp_path):
+  import benchmark
+  import plot_expert_load
+  import tiny_chat_model
+  import tune_gemm
+  records = tmp_path / "run" / "metrics.jsonl"
+  write(records, json.dumps({"step": 1, "loss": 1.0, "lm_loss": 1.0, "expert_load": [[0.5, 0.5]],
+                             "expert_load_max_over_mean": 1.0}) + "\n")
+  png = write(tmp_path / "load.png", "mine")
+  before = hashes(tmp_path)
+  for main, argv, message in [
+      (plot_expert_load.main, ["--workdir", str(records.parent), "--out", str(png)],
+       "load.png exists; give a new --out, or --overwrite"),
+      (plot_expert_load.main, ["--workdir", str(records.parent), "--out", str(png / "x.png")],
+       "load.png is a file, so nothing can be written under it"),
+      (plot_expert_load.main, ["--workdir", str(records.parent), "--out", str(records),
+                               "--overwrite"], "metrics.jsonl is the --workdir input"),
+      (tiny_chat_model.main, ["--out", str(records.parent)], "run is not empty; give an empty or "
+                                                             "new directory (nothing was"),
+      (tiny_chat_model.main, ["--out", str(tmp_path / "hf"), "--chats", str(png)],
+       "load.png exists; give a new --chats"),
+      (benchmark.main, ["--config", CONFIG, "--record", str(tmp_path)],
+       "--record .* is a directory; this command writes a file there"),
+      (benchmark.main, ["--config", CONFIG, "--profile", str(png)],
+       "--profile .*load.png is a file; this command writes a directory there"),
+      (tune_gemm.main, ["--config", CONFIG, "--out", str(tmp_path)],
+       "is a directory; this command writes a file there")]:
+    refused(run(main, *argv), message)
+  assert hashes(tmp_path) == before and no_temporaries(tmp_path)
+  assert run(plot_expert_load.main, "--workdir", str(records.parent), "--out", str(png),
+             "--overwrite").code == 0
+  assert png.read_bytes()[:4] == b"\x89PNG" and no_temporaries(tmp_path)

@@ -26,8 +26,7 @@ from jax.experimental import multihost_utils
 from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
 from jmoe.checkpoint.hf_fields import HFFields
 from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
-                                      name_shards, read_json, refuse_to_overwrite,
-                                      written_in_place)
+                                      name_shards, read_json, written_in_place)
 from jmoe.checkpoint.hf_mappings import Mapping, mtp_prefixes, walk
 from jmoe.checkpoint.params import open_variables, read_config
 from jmoe.checkpoint.streamed import (Region, StreamedArray, part_shape, raise_everywhere,
@@ -37,6 +36,7 @@ from jmoe.config import (Config, ConfigError, PrecisionConfig, from_config_dict,
 from jmoe.model.factory import model_factory
 from jmoe.ops.lora import fold
 from jmoe.ops.params import DTYPES
+from jmoe.outputs import check
 
 log = logging.getLogger("jmoe")
 
@@ -48,12 +48,13 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
               params_dtype: str = "float32", overwrite: bool = False,
               part_bytes: int = PART_BYTES) -> Config:
   """Reads a local Hugging Face model directory; writes a jmoe model checkpoint to `out` (which
-  must be empty or new, unless `overwrite`). One part of one variable is read, converted and
-  written at a time (one layer; of the routed experts' weights, a block of experts within
-  `part_bytes`), the next made while the last is written: the host holds a few parts, never the
-  model. Run in several processes, each reads and writes its share of the parts."""
-  hf_dir, out = pathlib.Path(hf_dir), pathlib.Path(out).absolute()
-  refuse_to_overwrite(out, overwrite)
+  must be empty or new, unless `overwrite`; moved into place once complete, jmoe.outputs). One
+  part of one variable is read, converted and written at a time (one layer; of the routed
+  experts' weights, a block of experts within `part_bytes`), the next made while the last is
+  written: the host holds a few parts, never the model. Run in several processes, each reads and
+  writes its share of the parts."""
+  hf_dir = pathlib.Path(hf_dir)
+  output = check(out, directory=True, overwrite=overwrite, inputs={"--hf-dir": hf_dir})
   if not (hf_dir / "config.json").is_file():
     raise ConfigError(f"{hf_dir / 'config.json'} does not exist: pass a local Hugging Face model "
                       f"directory (config.json and *.safetensors)")
@@ -113,7 +114,7 @@ def import_hf(hf_dir: str | pathlib.Path, out: str | pathlib.Path,
   tree = jax.tree_util.tree_map_with_path(
       lambda keys, variable: streamed(tuple(str(k.key) for k in keys), variable),
       nnx.to_pure_dict(params))
-  with written_in_place(out, every_process=True) as tmp:
+  with written_in_place(output, every_process=True) as tmp:
     save_streamed(tmp, tree, config)
     if jax.process_index() == 0:
       copy_tokenizer_files(hf_dir, tmp)
@@ -163,11 +164,10 @@ def export_hf(checkpoint: str | pathlib.Path, out: str | pathlib.Path,
   `rope_interleave` (DeepSeek-V3 only) picks the rotary weight layout; default: interleaved, as
   DeepSeek's own checkpoints are.
   """
-  out = pathlib.Path(out).absolute()
-  refuse_to_overwrite(out, overwrite)  # (every process sees the same answer)
-  with written_in_place(out, every_process=True) as tmp:
+  output = check(out, directory=True, overwrite=overwrite, inputs={"--checkpoint": checkpoint})
+  with written_in_place(output, every_process=True) as tmp:  # (every process checked the same)
     _export(pathlib.Path(checkpoint), tmp, shard_bytes, dtype, rope_interleave, part_bytes)
-  return out
+  return output.path
 
 
 @dataclasses.dataclass(frozen=True)

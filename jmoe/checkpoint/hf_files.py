@@ -1,6 +1,7 @@
 """Hugging Face model directories on disk: safetensors read tensor by tensor across (sharded)
-files, written in shards with their index, and output directories written in place (a temporary
-directory renamed into place once complete, never over a non-empty one unless asked)."""
+files, written in shards with their index, and output directories written in place by every
+process of a conversion (jmoe.outputs: a temporary directory moved into place once complete, only
+over what was checked)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import json
 import os
 import pathlib
+import secrets
 import shutil
 from typing import Iterator
 
@@ -17,7 +19,9 @@ from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from jmoe.checkpoint.streamed import raise_everywhere
 from jmoe.config import ConfigError
+from jmoe.outputs import Output, written
 
 INDEX = "model.safetensors.index.json"
 
@@ -151,43 +155,35 @@ def read_json(path: pathlib.Path) -> dict:
   return value
 
 
-def refuse_to_overwrite(out: pathlib.Path, overwrite: bool) -> None:
-  """A ConfigError if `out` holds anything, unless `overwrite`."""
-  if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-    raise ConfigError(f"{out} is not empty; give an empty or new directory, or --overwrite to "
-                      f"replace what is there")
-
-
 @contextlib.contextmanager
-def written_in_place(out: pathlib.Path, every_process: bool = False) -> Iterator[pathlib.Path]:
-  """A temporary directory beside `out` to write into; renamed to `out` (replacing it) once the
-  block ends without an error, and removed if it fails: `out` is never left half written. With
-  `every_process`, the processes of a multi-process run all write into the first one's."""
-  many = every_process and jax.process_count() > 1
-  pid = os.getpid()
-  if many:
-    pid = int(multihost_utils.broadcast_one_to_all(np.int32(pid)))
-  first = not many or jax.process_index() == 0
-  tmp = out.with_name(f".{out.name}.writing-{pid}")
-  if first:
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-  if many:
-    multihost_utils.sync_global_devices(f"jmoe: made {tmp}")
-  try:
-    yield tmp
-  except BaseException:
+def written_in_place(output: Output, every_process: bool = False) -> Iterator[pathlib.Path]:
+  """The temporary directory beside `output` (checked by `jmoe.outputs.check`) to write into,
+  published once the block ends without an error, removed if it fails (jmoe.outputs.written).
+  With `every_process`, the processes of a multi-process run all write into the first one's,
+  which makes and publishes it; a failure there stops them all."""
+  if not every_process or jax.process_count() == 1:
+    with written(output) as tmp:
+      yield tmp
+    return
+  pid, number = (int(n) for n in multihost_utils.broadcast_one_to_all(
+      np.array([os.getpid(), secrets.randbits(31)], np.int32)))
+  tag, first = f"{pid}-{number:08x}", jax.process_index() == 0
+  with contextlib.ExitStack() as stack:
+    error = None
     if first:
-      shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  if many:
-    multihost_utils.sync_global_devices(f"jmoe: written {tmp}")
-  if first:
-    if out.exists():
-      shutil.rmtree(out) if out.is_dir() else out.unlink()
-    tmp.rename(out)
-  if many:
-    multihost_utils.sync_global_devices(f"jmoe: renamed {tmp}")
+      try:
+        stack.enter_context(written(output, tag))
+      except ConfigError as e:
+        error = e
+    raise_everywhere(error)
+    yield output.temporary(tag)
+    multihost_utils.sync_global_devices(f"jmoe: written {output.path}")
+    if first:
+      try:
+        stack.close()  # publishes
+      except ConfigError as e:
+        error = e
+    raise_everywhere(error)
 
 
 class ShardedWriter:

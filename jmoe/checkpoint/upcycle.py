@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jmoe.checkpoint.hf_files import refuse_to_overwrite, written_in_place
 from jmoe.checkpoint.params import read_config, read_variables, save_model
 from jmoe.config import (Config, ConfigError, DenseLayout, ExpertLayout, ParallelConfig,
                          RouterConfig, to_dict)
 from jmoe.parallel import make_layout
 from jmoe.model.factory import model_factory
+from jmoe.outputs import check, written
 
 log = logging.getLogger("jmoe")
 
@@ -121,8 +121,7 @@ def upcycle(dense_dir: str | pathlib.Path, config: Config, out: str | pathlib.Pa
   """Writes the upcycled model of `config` as a model checkpoint in `out` (empty or new, unless
   `overwrite`). `router_std`: the spread of the initial router (default: model.init_std; 0 gives
   uniform routing)."""
-  out = pathlib.Path(out).absolute()
-  refuse_to_overwrite(out, overwrite)
+  output = check(out, directory=True, overwrite=overwrite, inputs={"--checkpoint": dense_dir})
   dense_config = read_config(dense_dir)
   slices = check_upcyclable(dense_config, config)
   router_std = config.model.init_std if router_std is None else router_std
@@ -151,8 +150,8 @@ def upcycle(dense_dir: str | pathlib.Path, config: Config, out: str | pathlib.Pa
   with layout.active():
     values = make(nnx.to_pure_dict(dense_state))
   nnx.replace_by_pure_dict(moe_abstract, values)
-  with written_in_place(out) as tmp:
+  with written(output) as tmp:
     save_model(tmp, moe_abstract, config)
   log.info("upcycled %s into %d experts per layer (%d slice(s) of the dense MLP each, %d "
            "copies) in %s", dense_dir, config.moe.num_experts, slices,
-           config.moe.num_experts // slices, out)
+           config.moe.num_experts // slices, output.path)

@@ -7,7 +7,8 @@
 comma-separated). The output directory holds shards of concatenated token ids (`*.bin`, uint16
 when the vocabulary fits, else uint32) with each document's boundaries (`*.idx.npy`), and
 `index.json`. Train on it with `--config.data.source=TOKENS_DIR` and the same
-`--config.data.tokenizer`. The directory appears only when complete.
+`--config.data.tokenizer`. The directory appears only when complete, and never over one that is
+there (an empty one aside).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import json
 import logging
 import pathlib
-import shutil
 import sys
 import time
 
@@ -26,6 +26,7 @@ from jmoe.cli import run
 from jmoe.config import ConfigError, DataConfig
 from jmoe.data.sources import TOKENS_INDEX, open_entry, parse_sources
 from jmoe.data.tokenizer import load_tokenizer
+from jmoe.outputs import check, written
 
 log = logging.getLogger("jmoe")
 
@@ -71,14 +72,15 @@ class ShardWriter:
 def prepare(source: str, out: str | pathlib.Path, tokenizer_path: str = "",
             text_key: str = "text", shard_tokens: int = 1 << 28,
             max_corpus_bytes: int = 16_000_000) -> dict:
-  """Writes the token shards of `source` to `out`; returns what index.json says."""
-  out = pathlib.Path(out)
-  if out.exists():
-    raise ConfigError(f"{out} already exists; choose a new --out (nothing was overwritten)")
+  """Writes the token shards of `source` to `out` (new, or an empty directory), under a name of
+  this process's own moved into place once complete (jmoe.outputs); returns what index.json
+  says."""
+  entries = parse_sources(source)
+  output = check(out, directory=True, inputs={
+      "--source": [p for entry in entries for p in entry.paths], "--tokenizer": tokenizer_path})
   cfg = DataConfig(source=source, tokenizer=tokenizer_path, text_key=text_key,
                    max_corpus_bytes=max_corpus_bytes)
   tokenizer = load_tokenizer(cfg, vocab_size=1 << 31)
-  entries = parse_sources(source)
   for entry in entries:
     if entry.kind == "tokens":
       raise ConfigError(f"{entry.text} is already token shards")
@@ -86,29 +88,21 @@ def prepare(source: str, out: str | pathlib.Path, tokenizer_path: str = "",
       raise ConfigError(f"{entry.text}: chat data is read as it is (data.source="
                         f"chat:FILE.jsonl), not prepared into token shards")
   dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
-  tmp = out.with_name(out.name + ".partial")
-  shutil.rmtree(tmp, ignore_errors=True)
-  tmp.mkdir(parents=True)
-  writer = ShardWriter(tmp, dtype, shard_tokens)
   t0 = time.perf_counter()
-  try:
+  with written(output) as tmp:
+    writer = ShardWriter(tmp, dtype, shard_tokens)
     for entry in entries:
       for ids in open_entry(entry, cfg, tokenizer, vocab_size=1 << 31).in_order():
         writer.add(ids)
     writer.finish()
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
-  seconds = time.perf_counter() - t0
-  if not writer.tokens:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise ConfigError(f"{source} holds no text")
-  index = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
-           "tokenizer": tokenizer.fingerprint, "eod": tokenizer.EOD,
-           "documents": writer.documents, "tokens": writer.tokens, "max_id": writer.max_id,
-           "shards": writer.shards, "source": source, "seconds": round(seconds, 3)}
-  (tmp / TOKENS_INDEX).write_text(json.dumps(index, indent=1))
-  tmp.rename(out)
+    if not writer.tokens:
+      raise ConfigError(f"{source} holds no text")
+    index = {"format": 1, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
+             "tokenizer": tokenizer.fingerprint, "eod": tokenizer.EOD,
+             "documents": writer.documents, "tokens": writer.tokens, "max_id": writer.max_id,
+             "shards": writer.shards, "source": source,
+             "seconds": round(time.perf_counter() - t0, 3)}
+    (tmp / TOKENS_INDEX).write_text(json.dumps(index, indent=1))
   return index
 
 
@@ -116,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m jmoe.data.prepare",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--source", required=True, help="as data.source: files, dirs, globs")
-  parser.add_argument("--out", required=True, help="a new directory for the token shards")
+  parser.add_argument("--out", required=True,
+                      help="a new (or empty) directory for the token shards")
   parser.add_argument("--tokenizer", default="", help="a tokenizer.json; default: bytes")
   parser.add_argument("--text-key", default="text", help="JSON field / Parquet column")
   parser.add_argument("--shard-tokens", type=int, default=1 << 28,
