@@ -153,7 +153,18 @@ class Batches:
       raise ConfigError(f"the saved input position has no stream for batch rows {missing[:4]}: "
                         f"it was saved with another train.batch_size")
     for row in self.rows:
-      self._streams[row].set_state(state[str(row)])
+      self._streams[row].set_state(_tuples(state[str(row)]))
+
+
+def _tuples(state: Any) -> Any:
+  """A stream state as Grain made it from one read back from JSON, which has no tuples: Grain's
+  packer marks "no partial document held" with the tuple (-1, -1) and compares with it, so a
+  list [-1, -1] would make a restored stream drop the rest of the document it starts with."""
+  if isinstance(state, dict):
+    return {key: _tuples(value) for key, value in state.items()}
+  if isinstance(state, list):
+    return tuple(_tuples(value) for value in state)
+  return state
 
 
 class Prefetcher:
