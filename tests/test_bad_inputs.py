@@ -576,3 +576,118 @@ def test_a_second_run_is_refused_and_a_killed_run_resumes(tmp_path):
   steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
   assert steps == list(range(1, saved + 4))  # each step once, the killed run's later ones dropped
   assert not (workdir / "run.lock").exists()
+
+
+# ---- data: exact resume, data source, empty documents ----
+
+def text_docs(directory: pathlib.Path, count: int = 8) -> pathlib.Path:
+  for i in range(count):
+    write(directory / f"{i}.txt", f"document {i} " * 20)
+  return directory
+
+
+def tokenizer_json(tmp_path) -> pathlib.Path:
+  from test_data import make_tokenizer
+  (tmp_path / "tok").mkdir(exist_ok=True)
+  return make_tokenizer(tmp_path / "tok" / "tokenizer.json", ["document one two three"] * 20,
+                        vocab=260)
+
+
+SAVED = r"the checkpoint of step 2 in .*run was saved "
+SET_BACK = r": resuming would read other data than the run it continues. Set it back to resume"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=DOCS", SAVED + r"reading data.source 'stdlib', but this config reads '.*docs'"),
+    ("data.source=stdlib@2,DOCS", SAVED + r"reading data.source 'stdlib', but this config reads"),
+    ("data.seq_len=64", SAVED + "with data.seq_len 32, but this config has 64" + SET_BACK),
+    ("data.packing=none", SAVED + "with data.packing 'concat', but this config has 'none'"),
+    ("data.shuffle=false", SAVED + "with data.shuffle True, but this config has False"),
+    ("train.seed=7", SAVED + "with train.seed 0, but this config has 7"),
+    ("data.eval_fraction=0.1", SAVED + "with data.eval_fraction 0.0, but this config has 0.1"),
+    ("data.max_corpus_bytes=100000", SAVED + "with data.max_corpus_bytes 200000, but this "
+                                             "config has 100000"),
+    ("data.tokenizer=TOKENIZER", SAVED + r"with data.tokenizer 'bytes', but this config has \(a "
+                                         r"file of sha256 [0-9a-f]+...\)"),
+    ("train.batch_size=16", SAVED + "with train.batch_size 8, but this config has 16"),
+])
+def test_resuming_onto_other_data_is_refused_by_name(workdir, tmp_path, override, message):
+  """Settings that change which tokens come next, refused before anything is compiled or
+  written; the message ends by saying how to train on the new data from this run's model."""
+  override = (override.replace("DOCS", str(text_docs(tmp_path / "docs")))
+              .replace("TOKENIZER", str(tokenizer_json(tmp_path)) if "TOKENIZER" in override
+                       else ""))
+  before = hashes(workdir)
+  result = again(workdir, "--config.train.steps=3", f"--config.{override}")
+  refused(result, message)
+  assert f"--config.checkpoint.load_params={workdir})" in result.err
+  assert "compiled the train step" not in result.err
+  assert hashes(workdir) == before
+
+
+@pytest.fixture(scope="module")
+def trained_on_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir after 2 steps on a JSONL file, that file)."""
+  root = tmp_path_factory.mktemp("on_files")
+  corpus = write(root / "corpus" / "a.jsonl", "".join(
+      json.dumps({"text": f"line {i} " * 30, "body": "other " * 20}) + "\n" for i in range(40)))
+  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY,
+                 f"--config.data.source={corpus}")
+  assert result.code == 0, result.err[-2000:]
+  return root / "run", corpus
+
+
+def test_resuming_when_the_files_changed_is_refused(trained_on_files, tmp_path):
+  import shutil
+  saved, corpus = trained_on_files
+  workdir = pathlib.Path(shutil.copytree(saved, tmp_path / "run"))
+  source, text = f"--config.data.source={corpus}", corpus.read_text()
+  before = hashes(workdir)
+  refused(again(workdir, source, "--config.train.steps=3", "--config.data.text_key=body"),
+          SAVED + "with data.text_key 'text', but this config has 'body'" + SET_BACK)
+  try:
+    corpus.write_text(text + json.dumps({"text": "one more line"}) + "\n")
+    refused(again(workdir, source, "--config.train.steps=3"),
+            r"the files of data.source entry '.*a.jsonl' changed since the checkpoint of step 2 "
+            r"in .*run was saved \(40 documents then, 41 now\): .* Put them back to resume")
+    corpus.write_text(text.replace("line 3 ", "line 33 "))  # as many lines, another size
+    refused(again(workdir, source, "--config.train.steps=3"),
+            r"entry '.*a.jsonl' changed .* \(other file names or sizes\)")
+  finally:
+    corpus.write_text(text)
+  assert hashes(workdir) == before
+
+
+def test_resuming_on_the_same_files_in_another_place_says_so(trained_on_files, tmp_path):
+  import re
+  import shutil
+  saved, corpus = trained_on_files
+  workdir = pathlib.Path(shutil.copytree(saved, tmp_path / "run"))
+  moved = pathlib.Path(shutil.copytree(corpus.parent, tmp_path / "moved")) / corpus.name
+  result = again(workdir, f"--config.data.source={moved}", "--config.train.steps=3",
+                 "--config.data.prefetch=0")  # how far ahead it reads changes no token
+  assert result.code == 0, result.err[-2000:]
+  assert re.search(r"data.source is '.*moved/a.jsonl', and the checkpoint of step 2 in .* was "
+                   r"saved reading '.*corpus/a.jsonl': the same files \(names, sizes, documents "
+                   r"and weights\), so the run resumes on them", result.err)
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps[-1] == 3
+
+
+def test_a_checkpoint_without_its_data_settings_is_checked_as_far_as_it_can_be(workdir):
+  """A checkpoint written before the data settings were saved with the input position: resumed
+  with a notice; its rows still count, and a position that does not fit is refused."""
+  position = workdir / "checkpoints" / "2" / "data" / "metadata"
+  saved = json.loads(position.read_text())
+  position.write_text(json.dumps({"streams": saved["streams"]}))
+  before = hashes(workdir)
+  result = again(workdir, "--config.train.steps=3", "--config.train.batch_size=16")
+  refused(result, r"the checkpoint of step 2 in .*run was saved with train.batch_size 8, but this "
+                  r"config has 16: each batch row reads its own share of the documents")
+  assert "does not record the data settings of its input position" in result.err
+  refused(again(workdir, "--config.train.steps=3", "--config.data.packing=none"),
+          r"the input position saved with the checkpoint of step 2 in .*run does not fit this "
+          r"config's data settings \(KeyError: 'next_index'\); resume with the data settings it "
+          r"was saved with")
+  assert hashes(workdir) == before
+

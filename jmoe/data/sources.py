@@ -2,13 +2,15 @@
 
 A source is what `grain.MapDataset.source` takes: `len(source)` documents, `source[i]` the i-th as
 int32 token ids. Raw text (read by jmoe/data/texts.py) is tokenized when a document is read; token
-shards written by `python -m jmoe.data.prepare` are read straight from memory-mapped files.
+shards written by `python -m jmoe.data.prepare` are read straight from memory-mapped files. Each
+source also says what identifies its files (`identity`, saved with a checkpoint's input position).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import pathlib
 import sysconfig
@@ -24,11 +26,21 @@ TOKENS_INDEX = "index.json"  # what marks a directory of token shards
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-class Tokenized:
-  """Documents from `texts` (random access to str/bytes), tokenized when read."""
+def files_digest(paths) -> str:
+  """A short hash of files' names and sizes, in order: the same files moved elsewhere keep it; a
+  file added, removed, renamed or rewritten to another size changes it."""
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(f"{pathlib.Path(path).name}\0{pathlib.Path(path).stat().st_size}\n".encode())
+  return digest.hexdigest()[:16]
 
-  def __init__(self, texts, tokenizer, name: str):
-    self._texts, self._tokenizer, self.name = texts, tokenizer, name
+
+class Tokenized:
+  """Documents from `texts` (random access to str/bytes, read from `texts.paths`), tokenized when
+  read."""
+
+  def __init__(self, texts, tokenizer, name: str, kind: str):
+    self._texts, self._tokenizer, self.name, self.kind = texts, tokenizer, name, kind
 
   def __len__(self) -> int:
     return len(self._texts)
@@ -36,6 +48,9 @@ class Tokenized:
   def __getitem__(self, index: int) -> np.ndarray:
     ids = self._tokenizer.encode(self._texts[index])
     return np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)])
+
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self), "files": files_digest(self._texts.paths)}
 
   def in_order(self, chunk: int = 512):
     """Every document in order, tokenized `chunk` at a time (the tokenizers library spreads a
@@ -51,6 +66,8 @@ class Chats:
   """Conversations as documents: {"tokens", "loss_mask"}, the assistant's tokens counted, each
   closed by the end-of-document id (not counted)."""
 
+  kind = "chat"
+
   def __init__(self, conversations: JsonlChats, tokenizer, template, name: str):
     self._conversations, self._tokenizer, self._template = conversations, tokenizer, template
     self.name = name
@@ -65,10 +82,16 @@ class Chats:
     return {"tokens": np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)]),
             "loss_mask": np.concatenate([mask, np.zeros(1, np.int32)])}
 
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self),
+            "files": files_digest(self._conversations.paths),
+            "template": self._template.fingerprint}
+
 
 class TokenShards:
   """A directory written by `python -m jmoe.data.prepare`: shards of concatenated token ids
   (`*.bin`) with the document boundaries (`*.idx.npy`), described by `index.json`."""
+  kind = "tokens"
 
   def __init__(self, directory: pathlib.Path, vocab_size: int, tokenizer):
     self.name, self.vocab_size = str(directory), vocab_size
@@ -91,6 +114,7 @@ class TokenShards:
     if index["tokenizer"] != tokenizer.fingerprint:
       raise ConfigError(f"{directory} was prepared with tokenizer {index['tokenizer']!r}, but "
                         f"data.tokenizer is {tokenizer.fingerprint!r}; use the same tokenizer")
+    self.files = [directory / name for pair in files for name in pair]
     self._tokens, self._bounds = [], []
     for shard in index["shards"]:
       self._tokens.append(np.memmap(directory / shard["file"], dtype=index["dtype"], mode="r"))
@@ -112,19 +136,26 @@ class TokenShards:
                         f"prepared for another vocabulary")
     return ids
 
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self), "files": files_digest(self.files)}
+
 
 class Subset:
   """The documents of `source` at `indices` (the train or the held-out part of a source)."""
 
   def __init__(self, source, indices: np.ndarray):
     self._source, self._indices = source, indices
-    self.name = source.name
+    self.name, self.kind = source.name, source.kind
 
   def __len__(self) -> int:
     return len(self._indices)
 
   def __getitem__(self, index: int):
     return self._source[int(self._indices[index])]
+
+  def identity(self) -> dict:
+    """The whole source's (the split is data.eval_fraction's)."""
+    return self._source.identity()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +268,7 @@ def open_entry(entry: Entry, cfg: DataConfig, tokenizer, vocab_size: int):
     texts = ParquetTexts(list(entry.paths), cfg.text_key)
   if not len(texts):
     raise ConfigError(f"data.source entry {entry.text!r} holds no documents")
-  return Tokenized(texts, tokenizer, entry.text)
+  return Tokenized(texts, tokenizer, entry.text, entry.kind)
 
 
 def split(source, eval_fraction: float):

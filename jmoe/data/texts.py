@@ -1,5 +1,5 @@
 """Raw text sources: random access to the documents of text, JSONL and Parquet files, as str
-(JSONL conversations as lists of messages)."""
+(JSONL conversations as lists of messages), each reader with the `paths` it reads."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class JsonlTexts:
 
   def __init__(self, paths: list[pathlib.Path], key: str):
     self.key = key
-    self._files, self._offsets = list(paths), []  # (file number, byte offset) of each line
+    self.paths, self._offsets = list(paths), []  # (file number, byte offset) of each line
     for number, path in enumerate(paths):
       start = 0
       with open(path, "rb") as f:
@@ -54,7 +54,7 @@ class JsonlTexts:
 
   def __getitem__(self, index: int) -> str:
     number, start = self._offsets[index]
-    path = self._files[number]
+    path = self.paths[number]
     with open(path, "rb") as f:
       f.seek(start)
       line = f.readline()
@@ -72,7 +72,7 @@ class JsonlTexts:
 
   def where(self, index: int) -> str:
     number, start = self._offsets[index]
-    return f"{self._files[number]}: the line at byte {start}"
+    return f"{self.paths[number]}: the line at byte {start}"
 
 
 class JsonlChats(JsonlTexts):
@@ -89,7 +89,7 @@ class ParquetTexts:
       import pyarrow.parquet as pq
     except ImportError as e:
       raise ConfigError("reading Parquet files needs pyarrow: pip install 'jmoe[parquet]'") from e
-    self.key = key
+    self.key, self.paths = key, list(paths)
     self._groups = []  # (path, row group, first row)
     total = 0
     for path in paths:
