@@ -32,7 +32,7 @@ from jax.experimental import multihost_utils
 
 from jmoe.config import Config, ConfigError, DataConfig
 from jmoe.data.resume import data_settings, resume_refusal
-from jmoe.data.sources import open_entry, parse_sources, split
+from jmoe.data.sources import check_holds_text, open_entry, parse_sources, split
 from jmoe.data.tokenizer import load_tokenizer
 from jmoe.parallel import Layout
 
@@ -52,8 +52,24 @@ def open_documents(cfg: DataConfig, vocab_size: int):
   parts = []
   for entry in parse_sources(cfg.source):
     train, held = split(open_entry(entry, cfg, tokenizer, vocab_size), cfg.eval_fraction)
+    check_holds_text(train)
     parts.append((train, held, entry.weight))
+  if cfg.packing == "concat":
+    _note_a_short_corpus([p[0] for p in parts], cfg.seq_len + 1)
   return tokenizer, parts
+
+
+def _note_a_short_corpus(sources: list, width: int) -> None:
+  """A notice when all documents together fill less than one row: every row repeats them."""
+  tokens = 0
+  for source in sources:
+    for index in range(len(source)):
+      document = source[index]
+      tokens += len(document["tokens"] if isinstance(document, dict) else document)
+      if tokens >= width:
+        return
+  log.warning("data.source holds %d tokens in all, fewer than one row (data.seq_len + 1 = %d): "
+              "every row repeats the same documents; is it the corpus you meant?", tokens, width)
 
 
 def document_order(sources: list, weights: list[float], seed: int, shuffle: bool,

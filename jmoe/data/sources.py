@@ -3,7 +3,8 @@
 A source is what `grain.MapDataset.source` takes: `len(source)` documents, `source[i]` the i-th as
 int32 token ids. Raw text (read by jmoe/data/texts.py) is tokenized when a document is read; token
 shards written by `python -m jmoe.data.prepare` are read straight from memory-mapped files. Each
-source also says what identifies its files (`identity`, saved with a checkpoint's input position).
+source also says whether a document holds anything to learn (`has_text`) and what identifies its
+files (`identity`, saved with a checkpoint's input position).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class Tokenized:
     ids = self._tokenizer.encode(self._texts[index])
     return np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)])
 
+  def has_text(self, index: int) -> bool:
+    """Whether document `index` holds more than whitespace, and tokens for it."""
+    text = self._texts[index]
+    return bool(text.strip()) and self._tokenizer.encode(text).size > 0
+
   def identity(self) -> dict:
     return {"kind": self.kind, "documents": len(self), "files": files_digest(self._texts.paths)}
 
@@ -82,6 +88,10 @@ class Chats:
     return {"tokens": np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)]),
             "loss_mask": np.concatenate([mask, np.zeros(1, np.int32)])}
 
+  def has_text(self, index: int) -> bool:
+    """Whether conversation `index` holds a token the loss counts (the assistant's)."""
+    return bool(self[index]["loss_mask"].any())
+
   def identity(self) -> dict:
     return {"kind": self.kind, "documents": len(self),
             "files": files_digest(self._conversations.paths),
@@ -94,7 +104,7 @@ class TokenShards:
   kind = "tokens"
 
   def __init__(self, directory: pathlib.Path, vocab_size: int, tokenizer):
-    self.name, self.vocab_size = str(directory), vocab_size
+    self.name, self.vocab_size, self.eod = str(directory), vocab_size, tokenizer.EOD
     again = "; write the shards again with `python -m jmoe.data.prepare`"
     try:
       index = json.loads((directory / TOKENS_INDEX).read_text())
@@ -114,6 +124,11 @@ class TokenShards:
     if index["tokenizer"] != tokenizer.fingerprint:
       raise ConfigError(f"{directory} was prepared with tokenizer {index['tokenizer']!r}, but "
                         f"data.tokenizer is {tokenizer.fingerprint!r}; use the same tokenizer")
+    if index.get("eod", tokenizer.EOD) != tokenizer.EOD:
+      raise ConfigError(f"{directory} closes its documents with token id {index['eod']}, but "
+                        f"the end-of-document id of data.tokenizer is {tokenizer.EOD} (see "
+                        f"data.eod_token); use the end-of-document token the shards were "
+                        f"prepared with")
     self.files = [directory / name for pair in files for name in pair]
     self._tokens, self._bounds = [], []
     for shard in index["shards"]:
@@ -136,6 +151,16 @@ class TokenShards:
                         f"prepared for another vocabulary")
     return ids
 
+  def has_text(self, index: int) -> bool:
+    """Whether document `index` holds a token other than the end-of-document id."""
+    return bool((self[index] != self.eod).any())
+
+  def any_text(self, chunk: int = 1 << 22) -> bool:
+    """Whether any shard holds a token other than the end-of-document id (read `chunk` tokens at
+    a time, so that it stops early on real data)."""
+    return any((tokens[start:start + chunk] != self.eod).any()
+               for tokens in self._tokens for start in range(0, tokens.size, chunk))
+
   def identity(self) -> dict:
     return {"kind": self.kind, "documents": len(self), "files": files_digest(self.files)}
 
@@ -153,9 +178,15 @@ class Subset:
   def __getitem__(self, index: int):
     return self._source[int(self._indices[index])]
 
+  def has_text(self, index: int) -> bool:
+    return self._source.has_text(int(self._indices[index]))
+
   def identity(self) -> dict:
     """The whole source's (the split is data.eval_fraction's)."""
     return self._source.identity()
+
+  def whole(self):
+    return self._source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,6 +300,21 @@ def open_entry(entry: Entry, cfg: DataConfig, tokenizer, vocab_size: int):
   if not len(texts):
     raise ConfigError(f"data.source entry {entry.text!r} holds no documents")
   return Tokenized(texts, tokenizer, entry.text, entry.kind)
+
+
+def check_holds_text(source, option: str = "data.source") -> None:
+  """Refuses a source (an entry of `option`) none of whose documents holds anything to learn (all
+  empty, whitespace or tokenized to nothing; token shards of end-of-document ids only): training
+  on it would learn nothing, at a loss of 0. Reads documents in order up to the first with text."""
+  whole = source.whole() if isinstance(source, Subset) else source
+  only_ends = isinstance(whole, TokenShards) and not whole.any_text()  # found without a loop
+  if not only_ends and any(source.has_text(index) for index in range(len(source))):
+    return
+  what = {"chat": "no assistant tokens for the loss to count",
+          "tokens": "only end-of-document tokens"}.get(source.kind,
+                                                        "only empty or whitespace documents")
+  raise ConfigError(f"{option} entry {source.name!r} holds nothing to train on: {what} "
+                    f"({len(source)} documents); give a source with text, or leave it out")
 
 
 def split(source, eval_fraction: float):
