@@ -1222,3 +1222,248 @@ def test_scripts_check_their_outputs_first(tmp_path):
   assert run(plot_expert_load.main, "--workdir", str(records.parent), "--out", str(png),
              "--overwrite").code == 0
   assert png.read_bytes()[:4] == b"\x89PNG" and no_temporaries(tmp_path)
+# ---- data: exact resume, data source, empty documents ----
+
+def text_docs(directory: pathlib.Path, count: int = 8) -> pathlib.Path:
+  for i in range(count):
+    write(directory / f"{i}.txt", f"document {i} " * 20)
+  return directory
+
+
+def tokenizer_json(tmp_path) -> pathlib.Path:
+  from test_data import make_tokenizer
+  (tmp_path / "tok").mkdir(exist_ok=True)
+  return make_tokenizer(tmp_path / "tok" / "tokenizer.json", ["document one two three"] * 20,
+                        vocab=260)
+
+
+SAVED = r"the checkpoint of step 2 in .*run was saved "
+SET_BACK = r": resuming would read other data than the run it continues. Set it back to resume"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("data.source=DOCS", SAVED + r"reading data.source 'stdlib', but this config reads '.*docs'"),
+    ("data.source=stdlib@2,DOCS", SAVED + r"reading data.source 'stdlib', but this config reads"),
+    ("data.seq_len=64", SAVED + "with data.seq_len 32, but this config has 64" + SET_BACK),
+    ("data.packing=none", SAVED + "with data.packing 'concat', but this config has 'none'"),
+    ("data.shuffle=false", SAVED + "with data.shuffle True, but this config has False"),
+    ("train.seed=7", SAVED + "with train.seed 0, but this config has 7"),
+    ("data.eval_fraction=0.1", SAVED + "with data.eval_fraction 0.0, but this config has 0.1"),
+    ("data.max_corpus_bytes=100000", SAVED + "with data.max_corpus_bytes 200000, but this "
+                                             "config has 100000"),
+    ("data.tokenizer=TOKENIZER", SAVED + r"with data.tokenizer 'bytes', but this config has \(a "
+                                         r"file of sha256 [0-9a-f]+...\)"),
+    ("train.batch_size=16", SAVED + "with train.batch_size 8, but this config has 16"),
+])
+def test_resuming_onto_other_data_is_refused_by_name(workdir, tmp_path, override, message):
+  """Settings that change which tokens come next, refused before anything is compiled or
+  written; the message ends by saying how to train on the new data from this run's model."""
+  override = (override.replace("DOCS", str(text_docs(tmp_path / "docs")))
+              .replace("TOKENIZER", str(tokenizer_json(tmp_path)) if "TOKENIZER" in override
+                       else ""))
+  before = hashes(workdir)
+  result = again(workdir, "--config.train.steps=3", f"--config.{override}")
+  refused(result, message)
+  assert f"--config.checkpoint.load_params={workdir})" in result.err
+  assert "compiled the train step" not in result.err
+  assert hashes(workdir) == before
+
+
+@pytest.fixture(scope="module")
+def trained_on_files(tmp_path_factory) -> tuple[pathlib.Path, pathlib.Path]:
+  """(workdir after 2 steps on a JSONL file, that file)."""
+  root = tmp_path_factory.mktemp("on_files")
+  corpus = write(root / "corpus" / "a.jsonl", "".join(
+      json.dumps({"text": f"line {i} " * 30, "body": "other " * 20}) + "\n" for i in range(40)))
+  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY,
+                 f"--config.data.source={corpus}")
+  assert result.code == 0, result.err[-2000:]
+  return root / "run", corpus
+
+
+def test_resuming_when_the_files_changed_is_refused(trained_on_files, tmp_path):
+  import shutil
+  saved, corpus = trained_on_files
+  workdir = pathlib.Path(shutil.copytree(saved, tmp_path / "run"))
+  source, text = f"--config.data.source={corpus}", corpus.read_text()
+  before = hashes(workdir)
+  refused(again(workdir, source, "--config.train.steps=3", "--config.data.text_key=body"),
+          SAVED + "with data.text_key 'text', but this config has 'body'" + SET_BACK)
+  try:
+    corpus.write_text(text + json.dumps({"text": "one more line"}) + "\n")
+    refused(again(workdir, source, "--config.train.steps=3"),
+            r"the files of data.source entry '.*a.jsonl' changed since the checkpoint of step 2 "
+            r"in .*run was saved \(40 documents then, 41 now\): .* Put them back to resume")
+    corpus.write_text(text.replace("line 3 ", "line 33 "))  # as many lines, another size
+    refused(again(workdir, source, "--config.train.steps=3"),
+            r"entry '.*a.jsonl' changed .* \(other file names or sizes\)")
+  finally:
+    corpus.write_text(text)
+  assert hashes(workdir) == before
+
+
+def test_resuming_on_the_same_files_in_another_place_says_so(trained_on_files, tmp_path):
+  import re
+  import shutil
+  saved, corpus = trained_on_files
+  workdir = pathlib.Path(shutil.copytree(saved, tmp_path / "run"))
+  moved = pathlib.Path(shutil.copytree(corpus.parent, tmp_path / "moved")) / corpus.name
+  result = again(workdir, f"--config.data.source={moved}", "--config.train.steps=3",
+                 "--config.data.prefetch=0")  # how far ahead it reads changes no token
+  assert result.code == 0, result.err[-2000:]
+  assert re.search(r"data.source is '.*moved/a.jsonl', and the checkpoint of step 2 in .* was "
+                   r"saved reading '.*corpus/a.jsonl': the same files \(names, sizes, documents "
+                   r"and weights\), so the run resumes on them", result.err)
+  steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert steps[-1] == 3
+
+
+def test_a_checkpoint_without_its_data_settings_is_checked_as_far_as_it_can_be(workdir):
+  """A checkpoint written before the data settings were saved with the input position: resumed
+  with a notice; its rows still count, and a position that does not fit is refused."""
+  position = workdir / "checkpoints" / "2" / "data" / "metadata"
+  saved = json.loads(position.read_text())
+  position.write_text(json.dumps({"streams": saved["streams"]}))
+  before = hashes(workdir)
+  result = again(workdir, "--config.train.steps=3", "--config.train.batch_size=16")
+  refused(result, r"the checkpoint of step 2 in .*run was saved with train.batch_size 8, but this "
+                  r"config has 16: each batch row reads its own share of the documents")
+  assert "does not record the data settings of its input position" in result.err
+  refused(again(workdir, "--config.train.steps=3", "--config.data.packing=none"),
+          r"the input position saved with the checkpoint of step 2 in .*run does not fit this "
+          r"config's data settings \(KeyError: 'next_index'\); resume with the data settings it "
+          r"was saved with")
+  assert hashes(workdir) == before
+
+
+def empty_corpus(tmp_path: pathlib.Path, name: str) -> tuple[str, str]:
+  """(data.source, the message) for a corpus with nothing to train on."""
+  nothing = r"holds nothing to train on: "
+  if name == "JSONL of empty texts":
+    path = write(tmp_path / "e.jsonl", (json.dumps({"text": ""}) + "\n") * 20)
+    return str(path), rf"data.source entry '.*e.jsonl' {nothing}only empty or whitespace " \
+                      r"documents \(20 documents\); give a source with text"
+  if name == "JSONL of whitespace":
+    path = write(tmp_path / "w.jsonl", (json.dumps({"text": " \n\t "}) + "\n") * 7)
+    return str(path), rf"'.*w.jsonl' {nothing}only empty or whitespace documents \(7 documents\)"
+  if name == "text files of whitespace":
+    for i in range(3):
+      write(tmp_path / "ws" / f"{i}.txt", "  \n\n ")
+    return str(tmp_path / "ws"), rf"'.*ws' {nothing}only empty or whitespace documents"
+  if name == "Parquet of empty and null texts":
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": ["", None, " "]}), tmp_path / "e.parquet")
+    return str(tmp_path / "e.parquet"), rf"'.*e.parquet' {nothing}only empty or whitespace"
+  if name == "a mixture with one empty entry":
+    path = write(tmp_path / "e.jsonl", (json.dumps({"text": ""}) + "\n") * 5)
+    return f"stdlib,{path}@0.5", rf"entry '.*e.jsonl@0.5' {nothing}only empty"
+  if name == "texts that tokenize to nothing":
+    path = write(tmp_path / "n.jsonl", (json.dumps({"text": "\u00e9\u00e8"}) + "\n") * 4)
+    return str(path), rf"'.*n.jsonl' {nothing}only empty or whitespace documents"
+  if name == "token shards of end-of-document ids":
+    directory = shards(tmp_path)
+    for binary in directory.glob("*.bin"):
+      ids = np.memmap(binary, dtype=np.uint16, mode="r+")
+      ids[:] = 256
+      ids.flush()
+    return str(directory), rf"'.*tokens' {nothing}only end-of-document tokens \(6 documents\)"
+  if name == "token shards of one-token documents":
+    directory = shards(tmp_path)
+    index = json.loads((directory / "index.json").read_text())
+    np.full(50, 256, np.uint16).tofile(directory / index["shards"][0]["file"])
+    np.save(directory / index["shards"][0]["bounds"], np.arange(51, dtype=np.int64))
+    return str(directory), rf"'.*tokens' {nothing}only end-of-document tokens \(50 documents\)"
+  raise KeyError(name)
+
+
+EMPTY = ["JSONL of empty texts", "JSONL of whitespace", "text files of whitespace",
+         "Parquet of empty and null texts", "a mixture with one empty entry",
+         "texts that tokenize to nothing", "token shards of end-of-document ids",
+         "token shards of one-token documents"]
+
+
+@pytest.mark.parametrize("name", EMPTY)
+def test_a_corpus_with_nothing_to_train_on_is_refused(tmp_path, name):
+  source, message = empty_corpus(tmp_path, name)
+  extra = []
+  if name == "texts that tokenize to nothing":  # a tokenizer that knows no accented letter
+    extra = [f"--config.data.tokenizer={ascii_tokenizer(tmp_path)}"]
+  before = hashes(tmp_path)
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY, *extra,
+                 f"--config.data.source={source}")
+  refused(result, message)
+  assert "compiled the train step" not in result.err
+  assert {k: v for k, v in hashes(tmp_path).items() if "/run/" not in k} == before
+
+
+def ascii_tokenizer(tmp_path: pathlib.Path, model: str = "BPE") -> pathlib.Path:
+  """A tokenizer.json that knows only "a" and "b": BPE without an unknown token drops other
+  letters (text of them tokenizes to nothing), WordLevel without one fails on them."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {"a": 0, "b": 1, "<|endoftext|>": 2}
+  tokenizer = Tokenizer(models.BPE(vocab, []) if model == "BPE" else models.WordLevel(vocab))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  path = tmp_path / model / "tokenizer.json"
+  path.parent.mkdir(exist_ok=True)
+  tokenizer.save(str(path))
+  return path
+
+
+def test_a_tokenizer_that_fails_on_the_text_is_named(tmp_path):
+  source = write(tmp_path / "t.jsonl", json.dumps({"text": "caf\u00e9"}) + "\n")
+  tokenizer = ascii_tokenizer(tmp_path, "WordLevel")
+  before = hashes(tmp_path)
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                f"--config.data.source={source}", f"--config.data.tokenizer={tokenizer}"),
+          r"data.tokenizer .*WordLevel/tokenizer.json cannot tokenize the text .*: WordLevel "
+          r"error: Missing \[UNK\] token")
+  refused(prepare("--source", str(source), "--out", str(tmp_path / "out"), "--tokenizer",
+                  str(tokenizer)), "cannot tokenize the text")
+  assert {k: v for k, v in hashes(tmp_path).items() if "/run/" not in k} == before
+  assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", EMPTY[:6])
+def test_prepare_refuses_a_corpus_with_nothing_to_train_on(tmp_path, name):
+  source, message = empty_corpus(tmp_path, name)
+  extra = (["--tokenizer", str(ascii_tokenizer(tmp_path))]
+           if name == "texts that tokenize to nothing" else [])
+  before = hashes(tmp_path)
+  refused(prepare("--source", source, "--out", str(tmp_path / "out"), *extra),
+          message.replace("data.source", "--source"))
+  assert hashes(tmp_path) == before
+  assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_corpus_shorter_than_one_row_is_noticed(tmp_path, caplog):
+  from jmoe.data import first_batches
+  from jmoe.config import load_config
+  write(tmp_path / "hi.txt", "hi")
+  config = load_config(CONFIG, [o.removeprefix("--config.") for o in TINY] +
+                       [f"data.source={tmp_path / 'hi.txt'}"])
+  with caplog.at_level(logging.WARNING, logger="jmoe"):
+    batch = first_batches(config)[0]
+  assert ("data.source holds 3 tokens in all, fewer than one row (data.seq_len + 1 = 33): every "
+          "row repeats the same documents") in caplog.text
+  assert (batch["tokens"][:, :3] == [ord("h"), ord("i"), 256]).all()
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="jmoe"):  # one document a row: nothing to say
+    first_batches(load_config(CONFIG, [o.removeprefix("--config.") for o in TINY] + [
+        f"data.source={tmp_path / 'hi.txt'}", "data.packing=none"]))
+  assert "fewer than one row" not in caplog.text
+
+
+def test_token_shards_read_with_another_end_of_document_id_are_refused(tmp_path):
+  tokenizer = tokenizer_json(tmp_path)
+  text_docs(tmp_path / "docs")
+  assert prepare("--source", str(tmp_path / "docs"), "--out", str(tmp_path / "tokens"),
+                 "--tokenizer", str(tokenizer)).code == 0
+  before = hashes(tmp_path)
+  refused(train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *TINY,
+                f"--config.data.source={tmp_path / 'tokens'}", f"--config.data.tokenizer={tokenizer}",
+                "--config.data.eod_token=<unk>"),
+          r"tokens closes its documents with token id 1, but the end-of-document id of "
+          r"data.tokenizer is 0 \(see data.eod_token\)")
+  assert {k: v for k, v in hashes(tmp_path).items() if "/run/" not in k} == before
+

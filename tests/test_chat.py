@@ -201,9 +201,8 @@ def test_bad_chat_input_is_named(tmp_path):
                                                                   "'messages'")):
     cfg = DataConfig(source=f"chat:{tmp_path / name}.jsonl", tokenizer=str(directory),
                      eod_token="<|endoftext|>")
-    _, parts = open_documents(cfg, 512)
-    with pytest.raises(ConfigError, match=message):
-      parts[0][0][0]
+    with pytest.raises(ConfigError, match=message):  # opening reads up to the first text
+      open_documents(cfg, 512)
   with pytest.raises(ConfigError, match="set data.tokenizer"):
     open_documents(DataConfig(source=f"chat:{tmp_path / 'a.jsonl'}"), 512)
   (directory / "tokenizer_config.json").write_text("{}")

@@ -14,6 +14,7 @@ token that teaches the model to stop; `ChatTemplate._turn_end` says how it is fo
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import pathlib
 
@@ -76,6 +77,9 @@ class ChatTemplate:
       raise ConfigError(f"{where}: the chat template is not valid Jinja2 (line {e.lineno}: "
                         f"{e.message})") from None
     self.marks_generation = "generation" in source and "endgeneration" in source
+    # What the rendering depends on, for a resume to check that it renders as before.
+    self.fingerprint = hashlib.sha256(
+        json.dumps([source, sorted(self._variables.items())]).encode()).hexdigest()[:16]
 
   @classmethod
   def from_files(cls, tokenizer: str | pathlib.Path, template: str | pathlib.Path = ""

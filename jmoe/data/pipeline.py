@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pathlib
 import queue
 import threading
 import time
@@ -30,7 +31,8 @@ from grain.experimental import ConcatThenSplitIterDataset
 from jax.experimental import multihost_utils
 
 from jmoe.config import Config, ConfigError, DataConfig
-from jmoe.data.sources import open_entry, parse_sources, split
+from jmoe.data.resume import data_settings, resume_refusal
+from jmoe.data.sources import check_holds_text, open_entry, parse_sources, split
 from jmoe.data.tokenizer import load_tokenizer
 from jmoe.parallel import Layout
 
@@ -50,8 +52,24 @@ def open_documents(cfg: DataConfig, vocab_size: int):
   parts = []
   for entry in parse_sources(cfg.source):
     train, held = split(open_entry(entry, cfg, tokenizer, vocab_size), cfg.eval_fraction)
+    check_holds_text(train)
     parts.append((train, held, entry.weight))
+  if cfg.packing == "concat":
+    _note_a_short_corpus([p[0] for p in parts], cfg.seq_len + 1)
   return tokenizer, parts
+
+
+def _note_a_short_corpus(sources: list, width: int) -> None:
+  """A notice when all documents together fill less than one row: every row repeats them."""
+  tokens = 0
+  for source in sources:
+    for index in range(len(source)):
+      document = source[index]
+      tokens += len(document["tokens"] if isinstance(document, dict) else document)
+      if tokens >= width:
+        return
+  log.warning("data.source holds %d tokens in all, fewer than one row (data.seq_len + 1 = %d): "
+              "every row repeats the same documents; is it the corpus you meant?", tokens, width)
 
 
 def document_order(sources: list, weights: list[float], seed: int, shuffle: bool,
@@ -153,7 +171,18 @@ class Batches:
       raise ConfigError(f"the saved input position has no stream for batch rows {missing[:4]}: "
                         f"it was saved with another train.batch_size")
     for row in self.rows:
-      self._streams[row].set_state(state[str(row)])
+      self._streams[row].set_state(_tuples(state[str(row)]))
+
+
+def _tuples(state: Any) -> Any:
+  """A stream state as Grain made it from one read back from JSON, which has no tuples: Grain's
+  packer marks "no partial document held" with the tuple (-1, -1) and compares with it, so a
+  list [-1, -1] would make a restored stream drop the rest of the document it starts with."""
+  if isinstance(state, dict):
+    return {key: _tuples(value) for key, value in state.items()}
+  if isinstance(state, list):
+    return tuple(_tuples(value) for value in state)
+  return state
 
 
 class Prefetcher:
@@ -261,6 +290,7 @@ class DataPipeline:
     self.config, self.layout = config, layout
     self.batch_size, self.width = config.train.batch_size, cfg.seq_len + 1
     self.tokenizer, parts = open_documents(cfg, config.model.vocab_size)
+    self.settings = data_settings(config, self.tokenizer, parts)
     self.keys = batch_keys(cfg)
     self.rows = local_rows(layout, self.batch_size, self.width) if rows is None else rows
     self._position = {row: i for i, row in enumerate(self.rows)}
@@ -292,11 +322,27 @@ class DataPipeline:
     return self._global(next(self._loader))
 
   def state(self) -> dict[str, Any]:
-    """The input position after the last batch (all processes': call on every process)."""
-    return {"streams": gather_state(self._loader.state)}
+    """The input position after the last batch (all processes': call on every process), and the
+    data settings it depends on."""
+    return {"streams": gather_state(self._loader.state), "settings": self.settings}
 
-  def restore(self, state: dict[str, Any]) -> None:
-    self._loader.set_state(state["streams"])
+  def restore(self, state: dict[str, Any], step: int, workdir: pathlib.Path) -> None:
+    """Goes on from the input position `state` saved with the checkpoint of `step` in `workdir`;
+    a ConfigError if this config would read other data from there (nothing read or written)."""
+    refusal = resume_refusal(state.get("settings"), self.settings, step, workdir)
+    rows = len(state["streams"])
+    if refusal is None and rows != self.batch_size:
+      refusal = (f"the checkpoint of step {step} in {workdir} was saved with train.batch_size "
+                 f"{rows}, but this config has {self.batch_size}: each batch row reads its own "
+                 f"share of the documents; set it back to resume")
+    if refusal is not None:
+      raise ConfigError(refusal)
+    try:
+      self._loader.set_state(state["streams"])
+    except (KeyError, TypeError, ValueError) as e:  # a position no settings were saved with
+      raise ConfigError(f"the input position saved with the checkpoint of step {step} in "
+                        f"{workdir} does not fit this config's data settings ({type(e).__name__}:"
+                        f" {e}); resume with the data settings it was saved with") from None
 
   def eval_batches(self) -> list[dict[str, jax.Array]]:
     """The held-out batches (the first data.eval_batches of them), the same at every call."""

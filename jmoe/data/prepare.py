@@ -24,7 +24,7 @@ import numpy as np
 
 from jmoe.cli import run
 from jmoe.config import ConfigError, DataConfig
-from jmoe.data.sources import TOKENS_INDEX, open_entry, parse_sources
+from jmoe.data.sources import TOKENS_INDEX, check_holds_text, open_entry, parse_sources
 from jmoe.data.tokenizer import load_tokenizer
 from jmoe.outputs import check, written
 
@@ -87,6 +87,8 @@ def prepare(source: str, out: str | pathlib.Path, tokenizer_path: str = "",
     if entry.kind == "chat":
       raise ConfigError(f"{entry.text}: chat data is read as it is (data.source="
                         f"chat:FILE.jsonl), not prepared into token shards")
+  for entry in entries:  # an entry of empty documents only is refused before anything is written
+    check_holds_text(open_entry(entry, cfg, tokenizer, vocab_size=1 << 31), "--source")
   dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
   t0 = time.perf_counter()
   with written(output) as tmp:

@@ -1,14 +1,17 @@
 """Document sources: random access to tokenized documents, each closed by the end-of-document id.
 
 A source is what `grain.MapDataset.source` takes: `len(source)` documents, `source[i]` the i-th as
-int32 token ids. Raw text is tokenized when a document is read; token shards written by
-`python -m jmoe.data.prepare` are read straight from memory-mapped files.
+int32 token ids. Raw text (read by jmoe/data/texts.py) is tokenized when a document is read; token
+shards written by `python -m jmoe.data.prepare` are read straight from memory-mapped files. Each
+source also says whether a document holds anything to learn (`has_text`) and what identifies its
+files (`identity`, saved with a checkpoint's input position).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import pathlib
 import sysconfig
@@ -16,6 +19,7 @@ import sysconfig
 import numpy as np
 
 from jmoe.config import ConfigError, DataConfig
+from jmoe.data.texts import FileTexts, JsonlChats, JsonlTexts, ParquetTexts
 
 KINDS = ("text", "jsonl", "parquet", "tokens", "chat")
 SUFFIXES = {".txt": "text", ".md": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -23,11 +27,21 @@ TOKENS_INDEX = "index.json"  # what marks a directory of token shards
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
-class Tokenized:
-  """Documents from `texts` (random access to str/bytes), tokenized when read."""
+def files_digest(paths) -> str:
+  """A short hash of files' names and sizes, in order: the same files moved elsewhere keep it; a
+  file added, removed, renamed or rewritten to another size changes it."""
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(f"{pathlib.Path(path).name}\0{pathlib.Path(path).stat().st_size}\n".encode())
+  return digest.hexdigest()[:16]
 
-  def __init__(self, texts, tokenizer, name: str):
-    self._texts, self._tokenizer, self.name = texts, tokenizer, name
+
+class Tokenized:
+  """Documents from `texts` (random access to str/bytes, read from `texts.paths`), tokenized when
+  read."""
+
+  def __init__(self, texts, tokenizer, name: str, kind: str):
+    self._texts, self._tokenizer, self.name, self.kind = texts, tokenizer, name, kind
 
   def __len__(self) -> int:
     return len(self._texts)
@@ -35,6 +49,14 @@ class Tokenized:
   def __getitem__(self, index: int) -> np.ndarray:
     ids = self._tokenizer.encode(self._texts[index])
     return np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)])
+
+  def has_text(self, index: int) -> bool:
+    """Whether document `index` holds more than whitespace, and tokens for it."""
+    text = self._texts[index]
+    return bool(text.strip()) and self._tokenizer.encode(text).size > 0
+
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self), "files": files_digest(self._texts.paths)}
 
   def in_order(self, chunk: int = 512):
     """Every document in order, tokenized `chunk` at a time (the tokenizers library spreads a
@@ -46,79 +68,11 @@ class Tokenized:
         yield np.concatenate([ids, eod])
 
 
-def _utf8(raw: bytes, where: str) -> str:
-  try:
-    return raw.decode("utf-8")
-  except UnicodeDecodeError as e:
-    raise ConfigError(f"{where} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 4]!r}); "
-                      f"text sources must be UTF-8: convert it, or leave it out of "
-                      f"data.source") from None
-
-
-class FileTexts:
-  """Each file one document, UTF-8 text."""
-
-  def __init__(self, paths: list[pathlib.Path]):
-    self.paths = paths
-
-  def __len__(self) -> int:
-    return len(self.paths)
-
-  def __getitem__(self, index: int) -> str:
-    path = self.paths[index]
-    return _utf8(path.read_bytes(), str(path))
-
-
-class JsonlTexts:
-  """Each line of the files a JSON object whose `key` field is a document."""
-  value_type, value_name = str, "text field"
-
-  def __init__(self, paths: list[pathlib.Path], key: str):
-    self.key = key
-    self._files, self._offsets = list(paths), []  # (file number, byte offset) of each line
-    for number, path in enumerate(paths):
-      start = 0
-      with open(path, "rb") as f:
-        for line in f:
-          if line.strip():
-            self._offsets.append((number, start))
-          start += len(line)
-
-  def __len__(self) -> int:
-    return len(self._offsets)
-
-  def __getitem__(self, index: int) -> str:
-    number, start = self._offsets[index]
-    path = self._files[number]
-    with open(path, "rb") as f:
-      f.seek(start)
-      line = f.readline()
-    text = _utf8(line, f"{path}: the line at byte {start}")
-    try:
-      record = json.loads(text)
-    except ValueError as e:
-      raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e}); a JSONL source "
-                        f"holds one JSON object per line") from None
-    if not isinstance(record, dict) or not isinstance(record.get(self.key), self.value_type):
-      raise ConfigError(f"{path}: the line at byte {start} has no {self.value_name} "
-                        f"{self.key!r} (set data.{'text' if self.value_type is str else 'chat'}"
-                        f"_key)")
-    return record[self.key]
-
-  def where(self, index: int) -> str:
-    number, start = self._offsets[index]
-    return f"{self._files[number]}: the line at byte {start}"
-
-
-class JsonlChats(JsonlTexts):
-  """Each line of the files a JSON object whose `key` field is a conversation (a list of
-  messages)."""
-  value_type, value_name = list, "list of messages"
-
-
 class Chats:
   """Conversations as documents: {"tokens", "loss_mask"}, the assistant's tokens counted, each
   closed by the end-of-document id (not counted)."""
+
+  kind = "chat"
 
   def __init__(self, conversations: JsonlChats, tokenizer, template, name: str):
     self._conversations, self._tokenizer, self._template = conversations, tokenizer, template
@@ -134,53 +88,23 @@ class Chats:
     return {"tokens": np.concatenate([ids, np.array([self._tokenizer.EOD], np.int32)]),
             "loss_mask": np.concatenate([mask, np.zeros(1, np.int32)])}
 
+  def has_text(self, index: int) -> bool:
+    """Whether conversation `index` holds a token the loss counts (the assistant's)."""
+    return bool(self[index]["loss_mask"].any())
 
-class ParquetTexts:
-  """The `key` column of Parquet files, a row per document, read a row group at a time."""
-
-  def __init__(self, paths: list[pathlib.Path], key: str):
-    try:
-      import pyarrow.parquet as pq
-    except ImportError as e:
-      raise ConfigError("reading Parquet files needs pyarrow: pip install 'jmoe[parquet]'") from e
-    self.key = key
-    self._groups = []  # (path, row group, first row)
-    total = 0
-    for path in paths:
-      try:
-        meta = pq.ParquetFile(path)
-      except Exception as e:  # noqa: BLE001 - pyarrow's errors for a file it cannot read
-        raise ConfigError(f"{path} is not a readable Parquet file ({type(e).__name__}: "
-                          f"{str(e)[:200]})") from None
-      if key not in meta.schema_arrow.names:
-        raise ConfigError(f"{path} has no column {key!r} (its columns: "
-                          f"{meta.schema_arrow.names}); set data.text_key")
-      for group in range(meta.num_row_groups):
-        self._groups.append((path, group, total))
-        total += meta.metadata.row_group(group).num_rows
-    self._total = total
-    self._starts = np.array([g[2] for g in self._groups], np.int64)
-    self._cached = (None, None)
-
-  def __len__(self) -> int:
-    return self._total
-
-  def __getitem__(self, index: int) -> str:
-    import pyarrow.parquet as pq
-    number = int(np.searchsorted(self._starts, index, side="right")) - 1
-    path, group, first = self._groups[number]
-    if self._cached[0] != number:
-      table = pq.ParquetFile(path).read_row_group(group, columns=[self.key])
-      self._cached = (number, table.column(0).to_pylist())
-    return self._cached[1][index - first] or ""
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self),
+            "files": files_digest(self._conversations.paths),
+            "template": self._template.fingerprint}
 
 
 class TokenShards:
   """A directory written by `python -m jmoe.data.prepare`: shards of concatenated token ids
   (`*.bin`) with the document boundaries (`*.idx.npy`), described by `index.json`."""
+  kind = "tokens"
 
   def __init__(self, directory: pathlib.Path, vocab_size: int, tokenizer):
-    self.name, self.vocab_size = str(directory), vocab_size
+    self.name, self.vocab_size, self.eod = str(directory), vocab_size, tokenizer.EOD
     again = "; write the shards again with `python -m jmoe.data.prepare`"
     try:
       index = json.loads((directory / TOKENS_INDEX).read_text())
@@ -200,6 +124,12 @@ class TokenShards:
     if index["tokenizer"] != tokenizer.fingerprint:
       raise ConfigError(f"{directory} was prepared with tokenizer {index['tokenizer']!r}, but "
                         f"data.tokenizer is {tokenizer.fingerprint!r}; use the same tokenizer")
+    if index.get("eod", tokenizer.EOD) != tokenizer.EOD:
+      raise ConfigError(f"{directory} closes its documents with token id {index['eod']}, but "
+                        f"the end-of-document id of data.tokenizer is {tokenizer.EOD} (see "
+                        f"data.eod_token); use the end-of-document token the shards were "
+                        f"prepared with")
+    self.files = [directory / name for pair in files for name in pair]
     self._tokens, self._bounds = [], []
     for shard in index["shards"]:
       self._tokens.append(np.memmap(directory / shard["file"], dtype=index["dtype"], mode="r"))
@@ -221,19 +151,42 @@ class TokenShards:
                         f"prepared for another vocabulary")
     return ids
 
+  def has_text(self, index: int) -> bool:
+    """Whether document `index` holds a token other than the end-of-document id."""
+    return bool((self[index] != self.eod).any())
+
+  def any_text(self, chunk: int = 1 << 22) -> bool:
+    """Whether any shard holds a token other than the end-of-document id (read `chunk` tokens at
+    a time, so that it stops early on real data)."""
+    return any((tokens[start:start + chunk] != self.eod).any()
+               for tokens in self._tokens for start in range(0, tokens.size, chunk))
+
+  def identity(self) -> dict:
+    return {"kind": self.kind, "documents": len(self), "files": files_digest(self.files)}
+
 
 class Subset:
   """The documents of `source` at `indices` (the train or the held-out part of a source)."""
 
   def __init__(self, source, indices: np.ndarray):
     self._source, self._indices = source, indices
-    self.name = source.name
+    self.name, self.kind = source.name, source.kind
 
   def __len__(self) -> int:
     return len(self._indices)
 
   def __getitem__(self, index: int):
     return self._source[int(self._indices[index])]
+
+  def has_text(self, index: int) -> bool:
+    return self._source.has_text(int(self._indices[index]))
+
+  def identity(self) -> dict:
+    """The whole source's (the split is data.eval_fraction's)."""
+    return self._source.identity()
+
+  def whole(self):
+    return self._source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +299,22 @@ def open_entry(entry: Entry, cfg: DataConfig, tokenizer, vocab_size: int):
     texts = ParquetTexts(list(entry.paths), cfg.text_key)
   if not len(texts):
     raise ConfigError(f"data.source entry {entry.text!r} holds no documents")
-  return Tokenized(texts, tokenizer, entry.text)
+  return Tokenized(texts, tokenizer, entry.text, entry.kind)
+
+
+def check_holds_text(source, option: str = "data.source") -> None:
+  """Refuses a source (an entry of `option`) none of whose documents holds anything to learn (all
+  empty, whitespace or tokenized to nothing; token shards of end-of-document ids only): training
+  on it would learn nothing, at a loss of 0. Reads documents in order up to the first with text."""
+  whole = source.whole() if isinstance(source, Subset) else source
+  only_ends = isinstance(whole, TokenShards) and not whole.any_text()  # found without a loop
+  if not only_ends and any(source.has_text(index) for index in range(len(source))):
+    return
+  what = {"chat": "no assistant tokens for the loss to count",
+          "tokens": "only end-of-document tokens"}.get(source.kind,
+                                                        "only empty or whitespace documents")
+  raise ConfigError(f"{option} entry {source.name!r} holds nothing to train on: {what} "
+                    f"({len(source)} documents); give a source with text, or leave it out")
 
 
 def split(source, eval_fraction: float):

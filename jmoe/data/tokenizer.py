@@ -71,7 +71,16 @@ class HFTokenizer:
 
   def encode_batch(self, texts: list[str | bytes]) -> list[np.ndarray]:
     texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in texts]
-    encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    try:
+      encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+    except Exception:  # noqa: BLE001 - the library's own message says what it lacks
+      for text in texts:  # the text it fails on, named
+        try:
+          self._tokenizer.encode(text, add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001
+          raise ConfigError(f"data.tokenizer {self.path} cannot tokenize the text "
+                            f"{text[:40]!r}{'...' if len(text) > 40 else ''}: {e}") from None
+      raise
     return [np.asarray(e.ids, np.int32) for e in encodings]
 
   def decode(self, ids) -> str:

@@ -125,16 +125,16 @@ class Trainer:
                                      async_save=config.checkpoint.async_save)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
+      if data_state is not None:  # refused here if this config reads other data from there
+        self.data.restore(data_state, self.step, workdir)
+      elif self.step:
+        log.warning("the checkpoint of step %d holds no input position; the data starts over",
+                    self.step)
       if self._lead:  # only once the workdir's checkpoint has been found to fit this config
         write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
         drop_metrics_after(workdir / "metrics.jsonl", self.step)
         if self.data.tokenizer.path is not None:  # for generation and export from the workdir
           copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
-      if data_state is not None:
-        self.data.restore(data_state)
-      elif self.step:
-        log.warning("the checkpoint of step %d holds no input position; the data starts over",
-                    self.step)
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
       t0 = time.perf_counter()
       self._step_fn = compile_train_step(config, layout, spec, optimizer,
