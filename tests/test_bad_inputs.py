@@ -860,9 +860,8 @@ def test_config_ranges_the_issue_names(tmp_path, override, message):
   assert hashes(tmp_path) == before
 
 
-def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
-  """A model whose parameters are not finite gives NaN log-probabilities, which JSON cannot
-  hold: score names the sequence and writes nothing."""
+def nan_checkpoint(workdir: pathlib.Path, path: pathlib.Path) -> None:
+  """The workdir's model saved to `path` with token 5's embedding NaN."""
   import jmoe
   from flax import nnx
   from jmoe.checkpoint.params import save_model
@@ -870,7 +869,27 @@ def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
   state = nnx.state(model)
   table = state["embed"]["table"]
   table[...] = table[...].at[5].set(np.nan)
-  save_model(tmp_path / "ckpt", state, config)
+  save_model(path, state, config)
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_generate_refuses_tokens_from_non_finite_logits(workdir, tmp_path, cache):
+  """Greedy decoding picks some id from NaN logits (argmax gave 0): generate names the prompt
+  and the new token whose logits were not finite, and stops before printing."""
+  from jmoe.generate import main
+  nan_checkpoint(workdir, tmp_path / "ckpt")
+  tokens = tokens_file(tmp_path, "1 2 3\n4 5 6 7\n")
+  before = hashes(tmp_path)
+  refused(run(main, "--checkpoint", str(tmp_path / "ckpt"), "--tokens-file", str(tokens),
+              "--max-new-tokens", "3", *([] if cache else ["--no-cache"])),
+          r"the model's logits for new token 1 of prompt 2 are not finite .*nothing was generated")
+  assert hashes(tmp_path) == before
+
+
+def test_score_refuses_to_print_non_finite_log_probabilities(workdir, tmp_path):
+  """A model whose parameters are not finite gives NaN log-probabilities, which JSON cannot
+  hold: score names the sequence and writes nothing."""
+  nan_checkpoint(workdir, tmp_path / "ckpt")
   tokens = tokens_file(tmp_path, "1 2 3\n4 5 6 7\n")
   before = hashes(tmp_path / "ckpt", tokens)
   refused(score("--checkpoint", str(tmp_path / "ckpt"), "--tokens-file", str(tokens), "--out",

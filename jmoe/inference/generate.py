@@ -41,8 +41,11 @@ def _steps(graphdef: nnx.GraphDef, temperature: float, top_p: float):
   """The jitted prefill, decode step and full-sequence step of one model structure."""
 
   def pick(logits_BSV, at_B, key):
-    return sample(jnp.take_along_axis(logits_BSV, at_B[:, None, None], axis=1)[:, 0], key,
-                  temperature, top_p)
+    """The next tokens, and whether each row's logits were all finite (else the token means
+    nothing: argmax and sampling both return some id)."""
+    logits_BV = jnp.take_along_axis(logits_BSV, at_B[:, None, None], axis=1)[:, 0]
+    return (sample(logits_BV, key, temperature, top_p),
+            jnp.all(jnp.isfinite(logits_BV), axis=-1))
 
   @functools.partial(jax.jit, static_argnames="length")
   def prefill(state, tokens_BP, lengths_B, key, length):
@@ -50,13 +53,13 @@ def _steps(graphdef: nnx.GraphDef, temperature: float, top_p: float):
     positions_BP = jnp.broadcast_to(jnp.arange(tokens_BP.shape[1]), tokens_BP.shape)
     logits_BPV, cache = model.decode(tokens_BP, positions_BP, model.init_cache(
         tokens_BP.shape[0], length))
-    return pick(logits_BPV, lengths_B - 1, key), cache
+    return *pick(logits_BPV, lengths_B - 1, key), cache
 
   @jax.jit
   def step(state, cache, tokens_B, positions_B, key):
     logits_B1V, cache = nnx.merge(graphdef, state).decode(tokens_B[:, None], positions_B[:, None],
                                                           cache)
-    return pick(logits_B1V, jnp.zeros_like(positions_B), key), cache
+    return *pick(logits_B1V, jnp.zeros_like(positions_B), key), cache
 
   @jax.jit
   def whole(state, tokens_BT, positions_B, key):
@@ -91,14 +94,20 @@ def generate(model: nnx.Module, layout: Layout, prompts: list[list[int]], *,
   new_BN = np.zeros((rows, max_new_tokens), np.int32)
   with layout.active():
     if cache:
-      token_B, kv = prefill(state, put(tokens_BT[:, :longest]), put(lengths_B), keys[0],
-                            length=total)
+      token_B, finite_B, kv = prefill(state, put(tokens_BT[:, :longest]), put(lengths_B),
+                                      keys[0], length=total)
     for t in range(max_new_tokens):
       positions_B = lengths_B + t  # where the row's next token goes
       if not cache:
-        token_B = whole(state, put(tokens_BT), put(positions_B), keys[t])
+        token_B, finite_B = whole(state, put(tokens_BT), put(positions_B), keys[t])
       elif t:
-        token_B, kv = step(state, kv, put(new_BN[:, t - 1]), put(positions_B - 1), keys[t])
+        token_B, finite_B, kv = step(state, kv, put(new_BN[:, t - 1]), put(positions_B - 1),
+                                     keys[t])
+      bad = np.flatnonzero(~np.asarray(finite_B)[:len(prompts)])
+      if bad.size:
+        raise ConfigError(f"the model's logits for new token {t + 1} of prompt {bad[0] + 1} are "
+                          f"not finite (NaN or inf; {bad.size} prompt(s) so): its parameters are "
+                          f"not finite, or overflow; nothing was generated")
       new_BN[:, t] = np.asarray(token_B)
       tokens_BT[np.arange(rows), positions_B] = new_BN[:, t]
   return [new_BN[b].tolist() for b in range(len(prompts))]
