@@ -1,10 +1,11 @@
 """jmoe: Mixture-of-Experts language model training with JAX and Flax NNX.
 
 Packages import downward only, in this order (tests/test_layout.py reads this line):
-  errors <- cli <- ops <- config <- distributed <- parallel <- moe <- model <- data
+  errors <- outputs <- cli <- ops <- config <- distributed <- parallel <- moe <- model <- data
   <- checkpoint <- inference <- train <- memory <- api <- convert <- score <- generate
   <- xla_flags
-cli is what commands share; ops, the kernels and primitives, needs nothing of jmoe but its errors;
+outputs checks and puts in place what commands write where a user says; cli is what commands
+share; ops, the kernels and primitives, needs nothing of jmoe but its errors;
 config validates against the registries there; distributed joins a run's processes (commands
 call it); from api on: the Python API, the commands and their helpers (a `__main__.py` may import
 anything).

@@ -222,7 +222,7 @@ def test_bad_inputs_name_the_file_and_the_problem(tmp_path):
   with pytest.raises(ConfigError, match=r"tokens was prepared with tokenizer 'bytes', but "
                                         r"data.tokenizer is"):
     open_documents(DataConfig(source=str(tmp_path / "tokens"), tokenizer=str(other)), 264)
-  with pytest.raises(ConfigError, match="already exists"):
+  with pytest.raises(ConfigError, match="tokens is not empty; give an empty or new directory"):
     prepare(str(tmp_path / "docs"), tmp_path / "tokens")
   with pytest.raises(ConfigError, match="has no end-of-document token"):
     HFTokenizer(other, eod_token="<|eot|>")

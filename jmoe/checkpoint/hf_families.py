@@ -13,9 +13,11 @@ import dataclasses
 import logging
 from typing import Callable
 
+from jmoe.checkpoint.hf_common import (COMMON_DEFAULTS, common_fields, common_to_hf,
+                                       no_attention_bias, require_silu, unquantized)
 from jmoe.checkpoint.hf_fields import HFFields
 from jmoe.config import (BalanceConfig, ConfigError, MLAConfig, ModelConfig, MoEConfig,
-                         RouterConfig, YarnConfig)
+                         RouterConfig)
 from jmoe.errors import choice
 
 log = logging.getLogger("jmoe")
@@ -42,126 +44,10 @@ class Family:
   ignored: frozenset = frozenset()
 
 
-# ---- config.json -> jmoe: every field that changes what the model computes is read (with its
+# ---- config.json -> jmoe (the fields every family reads alike: hf_common.py): every field that changes what the model computes is read (with its
 # type and range) and mapped, or refused by name; a missing one takes transformers' default for
 # the family (its config class, transformers 5), listed in each family's DEFAULTS.
 
-def _rope(f: HFFields, default_theta: float, default: dict | None = None,
-          all_dim_ok: bool = False) -> dict:
-  """rope_theta and yarn for ModelConfig from rope_parameters (or the older rope_scaling, which
-  transformers prefers where both are given), as transformers computes them."""
-  names = ("rope_scaling", "rope_parameters") if "rope_scaling" in f else ("rope_parameters",
-                                                                            "rope_scaling")
-  rope = f.mapping(*names, default=default or {})
-  if any(isinstance(v, dict) for v in rope.hf.values()):
-    raise ConfigError(f"{rope.source}: rotary parameters per kind of layer are not supported; "
-                      f"jmoe has one set for every layer")
-  theta = rope.number("rope_theta", low=1.0,
-                      default=f.number("rope_theta", low=1.0, default=default_theta))
-  partial = rope.number("partial_rotary_factor",
-                        default=f.number("partial_rotary_factor", default=1.0))
-  if partial != 1.0:
-    raise ConfigError(f"{rope.source}: partial_rotary_factor={partial} is not supported; jmoe "
-                      f"rotates every dim of a head (1.0)")
-  kind = rope.text("rope_type", "type", default="default")
-  max_len = f.size("max_position_embeddings")
-  if kind == "default":
-    return dict(rope_theta=theta)
-  if kind != "yarn":
-    raise ConfigError(f"{rope.source}: rope type {kind!r} is not supported; jmoe has default "
-                      f"and yarn")
-  if rope.value("attention_factor", default=None) is not None:
-    raise ConfigError(f"{rope.source}: attention_factor is not supported; give mscale (and "
-                      f"mscale_all_dim) instead")
-  original = rope.size("original_max_position_embeddings", default=f.size(
-      "original_max_position_embeddings", default=max_len))
-  factor = rope.number("factor", low=1.0, open_low=False, null=None, default=None)
-  if factor is None:  # transformers then stretches max_position_embeddings / original
-    factor = max_len / original
-    if factor < 1:
-      raise ConfigError(f"{rope.source}: without a factor, max_position_embeddings ({max_len}) "
-                        f"over original_max_position_embeddings ({original}) is below 1")
-  mscale = rope.number("mscale", open_low=False, default=0.0)
-  all_dim = rope.number("mscale_all_dim", open_low=False, default=0.0)
-  if all_dim and not all_dim_ok:
-    raise ConfigError(f"{rope.source}: mscale_all_dim is not supported for this architecture "
-                      f"(jmoe scales the attention logits by it, as DeepSeek-V3 does; "
-                      f"transformers does not here)")
-  if all_dim and not mscale:
-    raise ConfigError(f"{rope.source}: mscale_all_dim without mscale is not supported (jmoe "
-                      f"takes mscale / mscale_all_dim where both are given)")
-  return dict(rope_theta=theta, yarn=YarnConfig(
-      factor=factor, original_max_len=original,
-      beta_fast=rope.number("beta_fast", default=32.0),
-      beta_slow=rope.number("beta_slow", default=1.0),
-      mscale=mscale or 1.0, mscale_all_dim=all_dim, truncate=rope.flag("truncate", default=True)))
-
-
-def _rope_to_hf(m: ModelConfig) -> dict:
-  if m.yarn.factor <= 1:
-    return {"rope_type": "default", "rope_theta": m.rope_theta}
-  y = m.yarn
-  return {"rope_type": "yarn", "rope_theta": m.rope_theta, "factor": y.factor,
-          "original_max_position_embeddings": y.original_max_len, "beta_fast": y.beta_fast,
-          "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
-          "truncate": y.truncate}
-
-
-def _common(f: HFFields, default_theta: float, default_rope: dict | None = None,
-            all_dim_ok: bool = False) -> dict:
-  """The fields every family reads alike."""
-  d_model, heads = f.size("hidden_size"), f.size("num_attention_heads")
-  kv_heads = f.size("num_key_value_heads", null=None)
-  head_dim = f.size("head_dim", null=None)
-  dropout = f.number("attention_dropout", open_low=False, default=0.0)
-  if dropout:
-    log.warning("%s: attention_dropout=%s is not used: jmoe trains without dropout",
-                f.source, dropout)
-  return dict(vocab_size=f.size("vocab_size"), d_model=d_model,
-              num_layers=f.size("num_hidden_layers"), num_heads=heads,
-              num_kv_heads=heads if kv_heads is None else kv_heads,
-              head_dim=d_model // heads if head_dim is None else head_dim,
-              **_rope(f, default_theta, default_rope, all_dim_ok),
-              norm_eps=f.number("rms_norm_eps"), tie_embeddings=f.flag("tie_word_embeddings"),
-              init_std=f.number("initializer_range"))
-
-
-def _silu(f: HFFields) -> None:
-  """The dense MLPs' and experts' activation: jmoe's SwiGLU gates with SiLU (`swish` alike)."""
-  act = f.text("hidden_act")
-  if act not in ("silu", "swish"):
-    raise ConfigError(f"{f.source}: hidden_act={act!r} is not supported; jmoe's gated MLPs use "
-                      f"silu")
-
-
-def _no_attention_bias(f: HFFields) -> None:
-  if f.flag("attention_bias"):
-    raise ConfigError(f"{f.source}: attention_bias=true is not supported for this architecture")
-
-
-def _unquantized(f: HFFields, allowed: tuple[str, ...] = ()) -> None:
-  """Quantized weights other than `allowed` kinds (which the reader dequantizes) are refused:
-  their scales would be ignored."""
-  if "quantization_config" not in f:
-    return
-  method = f.mapping("quantization_config").value("quant_method", default=None)
-  f.nested.pop("quantization_config")  # its other fields are the quantizer's own
-  if method not in allowed:
-    raise ConfigError(f"{f.source}: quantization_config (quant_method {method!r}) is not "
-                      f"supported: jmoe imports float32, bfloat16 or float16 weights"
-                      f"{' (or MXFP4 experts)' if allowed else ''}; convert a dequantized copy")
-
-
-def _common_to_hf(m: ModelConfig) -> dict:
-  return dict(vocab_size=m.vocab_size, hidden_size=m.d_model, num_hidden_layers=m.num_layers,
-              num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
-              head_dim=m.head_dim, rms_norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings,
-              rope_parameters=_rope_to_hf(m),
-              hidden_act="silu", attention_bias=False, initializer_range=m.init_std)
-
-
-COMMON_DEFAULTS = dict(tie_word_embeddings=False, hidden_act="silu", initializer_range=0.02,
-                       router_aux_loss_coef=0.001)
 QWEN3_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6,
                       max_position_embeddings=32768, attention_bias=False,
                       use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1,
@@ -184,10 +70,10 @@ def _qwen3_first_k_dense(f: HFFields, layers: int) -> int:
 
 
 def _qwen3_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
-  _no_attention_bias(f)
-  _silu(f)
-  _unquantized(f)
-  common = _common(f, 10_000.0)
+  no_attention_bias(f)
+  require_silu(f)
+  unquantized(f)
+  common = common_fields(f, 10_000.0)
   window = 0
   if f.flag("use_sliding_window"):
     window = f.size("sliding_window", null=0, low=0)
@@ -209,7 +95,7 @@ def _qwen3_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
 
 
 def _qwen3_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
-  return dict(_common_to_hf(m), architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+  return dict(common_to_hf(m), architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
               intermediate_size=m.d_ff, moe_intermediate_size=moe.d_ff_expert,
               num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
               norm_topk_prob=moe.router.norm_topk_prob, decoder_sparse_step=1,
@@ -224,10 +110,10 @@ MIXTRAL_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=None, head_dim=None
 
 
 def _mixtral_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
-  _silu(f)  # (transformers' Mixtral has no attention biases)
-  _unquantized(f)
+  require_silu(f)  # (transformers' Mixtral has no attention biases)
+  unquantized(f)
   d_ff = f.size("intermediate_size")
-  model = ModelConfig(**_common(f, 1e6), d_ff=d_ff,
+  model = ModelConfig(**common_fields(f, 1e6), d_ff=d_ff,
                       sliding_window=f.size("sliding_window", low=0, null=0) or 0,
                       family="mixtral")
   jitter = f.number("router_jitter_noise", open_low=False)
@@ -242,7 +128,7 @@ def _mixtral_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
 
 
 def _mixtral_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
-  return dict(_common_to_hf(m), architectures=["MixtralForCausalLM"], model_type="mixtral",
+  return dict(common_to_hf(m), architectures=["MixtralForCausalLM"], model_type="mixtral",
               intermediate_size=moe.d_ff_expert, num_local_experts=moe.num_experts,
               num_experts_per_tok=moe.top_k, sliding_window=m.sliding_window or None,
               router_jitter_noise=moe.router.jitter,
@@ -260,10 +146,10 @@ DEEPSEEK_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=None, head_dim=Non
 
 
 def _deepseek_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
-  _no_attention_bias(f)
-  _silu(f)
-  _unquantized(f)
-  common = _common(f, 10_000.0, all_dim_ok=True)
+  no_attention_bias(f)
+  require_silu(f)
+  unquantized(f)
+  common = common_fields(f, 10_000.0, all_dim_ok=True)
   if common["num_kv_heads"] != common["num_heads"]:
     raise ConfigError(f"{f.source}: num_key_value_heads ({common['num_kv_heads']}) must equal "
                       f"num_attention_heads ({common['num_heads']}): latent attention has a key "
@@ -295,7 +181,7 @@ def _deepseek_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
 
 
 def _deepseek_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
-  return dict(_common_to_hf(m), architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+  return dict(common_to_hf(m), architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
               intermediate_size=m.d_ff, moe_intermediate_size=moe.d_ff_expert,
               n_routed_experts=moe.num_experts, n_shared_experts=moe.num_shared_experts,
               num_experts_per_tok=moe.top_k, first_k_dense_replace=moe.first_k_dense,
@@ -338,14 +224,14 @@ def _full_attention_every(f: HFFields, layers: int) -> tuple[int, bool]:
 
 
 def _gpt_oss_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
-  _unquantized(f, allowed=("mxfp4",))
+  unquantized(f, allowed=("mxfp4",))
   layers = f.size("num_hidden_layers")
   every, any_window = _full_attention_every(f, layers)
   window = f.size("sliding_window", low=0, null=0) if any_window else 0
   f.read.add("sliding_window")
   f.equals("swiglu_limit", 7.0, "transformers' GPT-OSS clamps its experts at 7.0")
   d_ff = f.size("intermediate_size")
-  model = ModelConfig(**_common(f, 150_000.0, GPT_OSS_ROPE), d_ff=d_ff, sliding_window=window,
+  model = ModelConfig(**common_fields(f, 150_000.0, GPT_OSS_ROPE), d_ff=d_ff, sliding_window=window,
                       full_attention_every=every if window else 0,
                       attention_bias=f.flag("attention_bias"), attention_sinks=True,
                       family="gpt_oss")
@@ -360,7 +246,7 @@ def _gpt_oss_to_jmoe(f: HFFields) -> tuple[ModelConfig, MoEConfig, bool]:
 
 def _gpt_oss_to_hf(m: ModelConfig, moe: MoEConfig) -> dict:
   kinds = ["sliding_attention" if m.windowed(i) else "full_attention" for i in range(m.num_layers)]
-  return dict(_common_to_hf(m), architectures=["GptOssForCausalLM"], model_type="gpt_oss",
+  return dict(common_to_hf(m), architectures=["GptOssForCausalLM"], model_type="gpt_oss",
               intermediate_size=moe.d_ff_expert, num_local_experts=moe.num_experts,
               num_experts_per_tok=moe.top_k, sliding_window=m.sliding_window or None,
               layer_types=kinds, attention_bias=m.attention_bias, swiglu_limit=moe.swiglu_limit,
