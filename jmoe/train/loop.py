@@ -31,7 +31,8 @@ from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
 from jmoe.train.state import StateSpec, TrainState, frozen, state_spec
 from jmoe.train.step import compile_train_step, make_eval_step
-from jmoe.train.workdir import WorkdirLock, write_atomic
+from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
+                                workdir_path, write_atomic)
 
 log = logging.getLogger("jmoe")
 
@@ -93,22 +94,29 @@ class Trainer:
   def __init__(self, config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
                devices: Sequence[jax.Device] | None = None):
     self.config = config = with_saved_architecture(config)
-    self.workdir = workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    self.workdir = workdir = workdir_path(workdir)
     # The registries config validation cannot see, checked before anything is built.
     check_family(config.model.family)
     choice("moe.dispatcher", config.moe.dispatcher, DISPATCHERS)
     self.layout = layout = make_layout(config.parallel, devices)
     check_batch_fits(config, layout)
+    check_workdir(workdir)
+    made = make_workdir(workdir)
     self._lead = jax.process_index() == 0
-    self._lock = WorkdirLock(workdir).acquire()
     try:
-      self._start(config, workdir, progress)
+      self._lock = WorkdirLock(workdir).acquire()
+      try:
+        self._start(config, workdir, progress)
+      except BaseException:
+        self._lock.release()
+        raise
     except BaseException:
-      self._lock.release()
+      remove_made(workdir, made)  # a refused run leaves no empty workdir behind
       raise
 
   def _start(self, config: Config, workdir: pathlib.Path, progress: bool) -> None:
+    """Every check a start can fail (the data, the checkpoint, the data position, the first
+    batch, compiling), and only then the writes."""
     layout = self.layout
     optimizer = make_optimizer(config.train, config.precision.moments)
     self.spec = spec = state_spec(config, layout, optimizer)
@@ -125,11 +133,6 @@ class Trainer:
                                      async_save=config.checkpoint.async_save)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
-      if self._lead:  # only once the workdir's checkpoint has been found to fit this config
-        write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
-        drop_metrics_after(workdir / "metrics.jsonl", self.step)
-        if self.data.tokenizer.path is not None:  # for generation and export from the workdir
-          copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
       if data_state is not None:
         self.data.restore(data_state)
       elif self.step:
@@ -142,8 +145,13 @@ class Trainer:
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
-      self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
-                                   progress=progress and self._lead, write=self._lead)
+      try:
+        self._write_start(config, workdir)
+        self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
+                                     progress=progress and self._lead, write=self._lead)
+      except OSError as e:  # (found writable a moment ago: a full disk, or changed since)
+        raise ConfigError(f"{e.filename or workdir} cannot be written ({e.strerror}): free or "
+                          f"fix it, then run the same command again") from None
     except BaseException:
       self.data.close()
       self.checkpointer.close()
@@ -151,6 +159,16 @@ class Trainer:
     self._last_metrics: dict | None = None
     self._saved = self.step if self.checkpointer.latest_step() == self.step else None
     self.health = StepHealth(config.train.max_bad_steps, config.train.lr)
+
+  def _write_start(self, config: Config, workdir: pathlib.Path) -> None:
+    """What a start writes once every check has passed: unreadable checkpoints moved aside, the
+    config, the metrics after the resumed step dropped, the tokenizer's files."""
+    self.checkpointer.set_aside_unreadable()
+    if self._lead:
+      write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
+      drop_metrics_after(workdir / "metrics.jsonl", self.step)
+      if self.data.tokenizer.path is not None:  # for generation and export from the workdir
+        copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
 
   def __enter__(self) -> "Trainer":
     return self
@@ -247,15 +265,17 @@ class Trainer:
     try:
       self.checkpointer.wait()
     finally:
-      self.data.close()
-      self._writer.close()
-      self.checkpointer.close()
-      self._lock.release()
-      if self.state is not None:
-        for x in jax.tree.leaves(self.state):
-          if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
-        self.state = self._last_metrics = None
+      try:
+        self.data.close()
+        self._writer.close()
+        self.checkpointer.close()
+      finally:
+        self._lock.release()
+        if self.state is not None:
+          for x in jax.tree.leaves(self.state):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+              x.delete()
+          self.state = self._last_metrics = None
 
 
 def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
