@@ -605,6 +605,60 @@ def test_a_resume_refused_after_its_checkpoint_is_read_writes_nothing(workdir, d
   assert tree(workdir) == before
 
 
+LORA = ["--config.lora.rank=4", "--config.lora.alpha=8.0"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> pathlib.Path:
+  """Two models of the tiny config (`base`, `other`: other random weights), and `run`: LoRA
+  adapters trained 2 steps on `base`."""
+  from flax import nnx
+  from jmoe.checkpoint.params import save_model
+  from jmoe.config import load_config
+  from helpers import build
+  root = tmp_path_factory.mktemp("lora")
+  config = load_config(CONFIG, [o.removeprefix("--config.") for o in TINY])
+  for name, seed in (("base", 0), ("other", 1)):
+    save_model(root / name, nnx.state(build(config, seed)), config)
+  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY, *LORA,
+                 f"--config.checkpoint.load_params={root / 'base'}")
+  assert result.code == 0, result.err[-2000:]
+  return root
+
+
+def test_lora_adapters_resume_only_on_the_model_they_were_trained_on(lora_run, tmp_path):
+  """Another checkpoint.load_params, or the same path holding other weights, is refused by
+  name and writes nothing; the same weights moved to another path resume. Scoring the run
+  refuses other weights at its base's path too."""
+  import shutil
+  run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
+  resume = lambda base, *more: train("--config", CONFIG, "--workdir", str(run), *TINY, *LORA,
+                                     f"--config.checkpoint.load_params={base}", *more)
+  message = (r"the LoRA adapters in .*checkpoints/2 were trained on the model in .*/base "
+             r"\(fingerprint \w+\), but checkpoint.load_params, .*/{}, holds other weights")
+  before = tree(run)
+  refused(resume(lora_run / "other", "--config.train.steps=3"), message.format("other"))
+  assert tree(run) == before
+  changed = pathlib.Path(shutil.copytree(lora_run / "other", tmp_path / "base"))
+  refused(resume(changed, "--config.train.steps=3"), message.format("base"))
+  assert tree(run) == before
+  shutil.rmtree(changed)
+  moved = shutil.copytree(lora_run / "base", tmp_path / "moved")
+  result = resume(moved)  # (nothing left to do: 2 steps)
+  assert result.code == 0, result.err[-2000:]
+  assert "it was" in result.err and "the same weights" in result.err
+  assert json.loads((run / "config.json").read_text())["checkpoint"]["load_params"] == str(moved)
+  # What reads the adapted model (score, generate, load_params) holds it to the same check.
+  assert score("--checkpoint", str(run), "--tokens-file", str(tokens_file(tmp_path))).code == 0
+  shutil.rmtree(moved)
+  shutil.copytree(lora_run / "other", moved)
+  before = tree(run)
+  refused(score("--checkpoint", str(run), "--tokens-file", str(tokens_file(tmp_path))),
+          r"holds LoRA adapters trained on the model in .*/base \(fingerprint \w+\), but "
+          r".*/moved holds other weights now")
+  assert tree(run) == before
+
+
 def hf_like(directory: pathlib.Path) -> pathlib.Path:
   """What a Hugging Face model's directory holds, as far as a run can tell."""
   write(directory / "config.json", json.dumps({"architectures": ["Qwen3MoeForCausalLM"],
@@ -808,7 +862,7 @@ def test_a_save_that_fails_stops_the_run_with_a_message(tmp_path, name, override
   else:
     from jmoe.checkpoint import Checkpointer
     checkpointer = Checkpointer(workdir / "checkpoints", keep=3)
-    assert checkpointer.all_steps() == [2]
+    assert checkpointer.all_steps() == [2] and checkpointer.run_record(2) is None
     checkpointer.close()
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
 

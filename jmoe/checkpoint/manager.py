@@ -1,8 +1,10 @@
 """Saves and restores training checkpoints under `<workdir>/checkpoints` with Orbax.
 
-Each step's checkpoint holds two items:
+Each step's checkpoint holds two items, and a third for some runs:
     state/   the train state (step, parameters, optimizer state, router biases)
     data/    the input pipeline's position, as JSON
+    run/     what a resume must find unchanged that the state does not hold (LoRA: the model
+             under the adapters), as JSON
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
 save (or `wait`) waits for the write to finish. A step's directory appears only when its write is
 complete, so a save cut short leaves no half-written step behind. A save that fails, in the
@@ -162,7 +164,8 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": ocp.JsonCheckpointHandler()})
+                       "data": ocp.JsonCheckpointHandler(),
+                       "run": ocp.JsonCheckpointHandler()})
     self.unreadable: list[int] = []  # steps restore_latest passed over
     self._pending: int | None = None  # the step whose write may still be under way
     self._quiet = None
@@ -176,15 +179,18 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, data: dict[str, Any] | None = None) -> None:
-    """Starts saving `state` (and the data position) as step `step`; returns before the write
-    ends. A step that is already saved is left as it is. Raises a ConfigError if this save, or
-    the previous one in the background, fails."""
+  def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
+           run: dict[str, Any] | None = None) -> None:
+    """Starts saving `state`, the data position and `run` (what a resume checks) as step
+    `step`; returns before the write ends. A step that is already saved is left as it is. Raises
+    a ConfigError if this save, or the previous one in the background, fails."""
     if step in self._manager.all_steps():
       return
     self.wait()
     items = dict(state=ocp.args.StandardSave(state, save_args=part_save_args(state)),
                  data=ocp.args.JsonSave(data or {}))
+    if run:
+      items["run"] = ocp.args.JsonSave(run)
     self._pending = step
     try:
       self._manager.save(step, args=ocp.args.Composite(**items), force=True)
@@ -208,6 +214,14 @@ class Checkpointer:
     reason = str(error).splitlines()[0][:300] if str(error) else ""
     return ConfigError(f"saving the checkpoint of step {step} in {self.directory} failed "
                        f"({type(error).__name__}: {reason}), so training stopped; {earlier}")
+
+  def run_record(self, step: int) -> dict[str, Any] | None:
+    """What the checkpoint of `step` recorded for a resume to check (`save`'s `run`), or None
+    when it recorded nothing."""
+    if not (self.directory / str(step) / "run").is_dir():
+      return None
+    return dict(self._manager.restore(step, args=ocp.args.Composite(
+        run=ocp.args.JsonRestore())).run or {})
 
   def restore(self, step: int, abstract_state: Any, shardings: Any
               ) -> tuple[Any, dict[str, Any]]:

@@ -16,7 +16,7 @@ from flax import nnx
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.hf_files import copy_tokenizer_files
-from jmoe.checkpoint.params import read_variables, with_saved_architecture
+from jmoe.checkpoint.params import fingerprint, read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
@@ -115,8 +115,8 @@ class Trainer:
       raise
 
   def _start(self, config: Config, workdir: pathlib.Path, progress: bool) -> None:
-    """Every check a start can fail (the data, the checkpoint, the data position, the first
-    batch, compiling), and only then the writes."""
+    """Every check a start can fail (the data, the checkpoint, the frozen model under LoRA
+    adapters, the data position, the first batch, compiling), and only then the writes."""
     layout = self.layout
     optimizer = make_optimizer(config.train, config.precision.moments)
     self.spec = spec = state_spec(config, layout, optimizer)
@@ -133,6 +133,9 @@ class Trainer:
                                      async_save=config.checkpoint.async_save)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
+      self._record = run_record(config, self.state)
+      if self.step:
+        check_record(self.checkpointer, self.step, self._record)
       if data_state is not None:
         self.data.restore(data_state)
       elif self.step:
@@ -241,7 +244,8 @@ class Trainer:
         raise Diverged(f"the parameters at step {self.step} are not finite, so they are not "
                        f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
                        f"{self.config.train.lr:g}) or train.grad_clip")
-      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state())
+      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state(),
+                             self._record)
       self._saved = self.step
     return self.checkpointer.directory / str(self.step)
 
@@ -320,6 +324,38 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     params, rest = nnx.split_state(variables, nnx.Param, ...)
     return 0, spec.init_from(params, nnx.merge_state(rest, histories)), None
   return 0, spec.init(), None
+
+
+def run_record(config: Config, state: TrainState) -> dict | None:
+  """What the run's checkpoints record for a resume to check: with LoRA, the frozen model under
+  the adapters (where it was read from, and a fingerprint of its values)."""
+  if not config.lora.rank:
+    return None
+  base = nnx.split_state(state.rest, frozen(config), ...)[0]
+  return {"lora_base": {"path": str(pathlib.Path(config.checkpoint.load_params).absolute()),
+                        "fingerprint": fingerprint(base)}}
+
+
+def check_record(checkpointer: Checkpointer, step: int, record: dict | None) -> None:
+  """Refuses to resume the checkpoint of `step` on what differs from what it records: LoRA
+  adapters on another frozen model than the one they were trained on."""
+  now = (record or {}).get("lora_base")
+  if now is None:
+    return
+  saved = (checkpointer.run_record(step) or {}).get("lora_base")
+  where = checkpointer.directory / str(step)
+  if saved is None:
+    log.warning("%s does not record the model its LoRA adapters were trained on (an earlier "
+                "jmoe saved it): make sure it is checkpoint.load_params, %s", where, now["path"])
+  elif saved["fingerprint"] != now["fingerprint"]:
+    raise ConfigError(
+        f"the LoRA adapters in {where} were trained on the model in {saved['path']} (fingerprint "
+        f"{saved['fingerprint']}), but checkpoint.load_params, {now['path']}, holds other weights "
+        f"(fingerprint {now['fingerprint']}): resume with the model they were trained on, or "
+        f"train new adapters in another --workdir")
+  elif saved["path"] != now["path"]:
+    log.info("the frozen model under the adapters is read from %s now (it was %s): the same "
+             "weights", now["path"], saved["path"])
 
 
 def _frozen_model(config: Config, spec: StateSpec, whole: bool = False) -> nnx.State:
