@@ -822,25 +822,28 @@ def train_process(tmp_path, workdir, *overrides, script=None, **env):
   return Result(done.returncode, done.stderr)
 
 
-@pytest.mark.parametrize("name, overrides, env, message", [
-    ("in the background, a periodic save",
-     ["--config.train.steps=4", "--config.checkpoint.every=1",
-      "--config.checkpoint.async_save=true"],
-     dict(BREAK="file", BREAK_AT="2"),
-     r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError: .*\), so "
-     r"training stopped; no earlier checkpoint is left"),
-    ("in the background, the save on SIGTERM",
-     ["--config.train.steps=50", "--config.checkpoint.async_save=true"],
-     dict(BREAK="file", BREAK_AT="2", SIGNAL_AT="2"),
-     r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError"),
-    ("unwritable, the final save",
-     ["--config.train.steps=3", "--config.checkpoint.every=2"],
-     dict(BREAK="unwritable", BREAK_AT="3"),
-     r"saving the checkpoint of step 3 in .*/checkpoints failed \(PermissionError: .*\), so "
-     r"training stopped; the checkpoint of step 2 is kept: once .*/checkpoints is a writable "
-     r"directory again, the same command resumes from it"),
+@pytest.mark.parametrize("overrides, env, message", [
+    pytest.param(
+        ["--config.train.steps=4", "--config.checkpoint.every=1",
+         "--config.checkpoint.async_save=true"],
+        dict(BREAK="file", BREAK_AT="2"),
+        r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError: .*\), "
+        r"so training stopped; no earlier checkpoint is left",
+        id="in the background, a periodic save"),
+    pytest.param(
+        ["--config.train.steps=50", "--config.checkpoint.async_save=true"],
+        dict(BREAK="file", BREAK_AT="2", SIGNAL_AT="2"),
+        r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError",
+        id="in the background, the save on SIGTERM"),
+    pytest.param(
+        ["--config.train.steps=3", "--config.checkpoint.every=2"],
+        dict(BREAK="unwritable", BREAK_AT="3"),
+        r"saving the checkpoint of step 3 in .*/checkpoints failed \(PermissionError: .*\), so "
+        r"training stopped; the checkpoint of step 2 is kept: once .*/checkpoints is a writable "
+        r"directory again, the same command resumes from it",
+        id="unwritable, the final save"),
 ])
-def test_a_save_that_fails_stops_the_run_with_a_message(tmp_path, name, overrides, env, message):
+def test_a_save_that_fails_stops_the_run_with_a_message(tmp_path, overrides, env, message):
   """Whether the save is in the background or not, periodic, final or on a signal: one line,
   exit 2, the process ends, and what was on disk stays (the earlier checkpoint, the file in the
   way)."""

@@ -27,6 +27,7 @@ import logging
 import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any, Iterator
 
@@ -110,12 +111,45 @@ class _NotAboutItemMetadata(logging.Filter):
 
 
 class _NoSaveTracebacks(logging.Filter):
-  """Orbax logs the traceback of a failed background save from its own threads; the failure
-  reaches the run as an exception at its next save or wait, and jmoe says it in one line."""
+  """A failed background save's tracebacks: logged by Orbax's threads, by asyncio for the writes
+  failing beside the one Orbax raises, and raised by the writes that end after Orbax's event loop
+  closed on the failure or are dropped unfinished at exit. The failure reaches the run as an
+  exception at its next save or wait, and jmoe says it in one line."""
+
+  LOGGERS = ("absl", "asyncio")
 
   def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+      return "exception was never retrieved" not in record.getMessage()
     return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
                 and (record.exc_info or "Traceback" in record.getMessage()))
+
+  def unraisable(self, raised) -> None:
+    """sys.unraisablehook but for the writes of a failed save: an event loop closed under them,
+    or their coroutines dropped unfinished."""
+    closed = (isinstance(raised.exc_value, RuntimeError)
+              and str(raised.exc_value) == "Event loop is closed")
+    dropped = "orbax" in getattr(getattr(raised.object, "cr_code", None), "co_filename", "")
+    if not (closed or dropped):
+      self.hook(raised)
+
+
+_QUIET = _NoSaveTracebacks()
+_quiet_for = 0  # open Checkpointers that keep it on
+
+
+def _quiet_saves(on: bool) -> None:
+  """Turns `_QUIET` on for one more open Checkpointer, or off for one fewer."""
+  global _quiet_for
+  _quiet_for += 1 if on else -1
+  if (_quiet_for, on) == (1, True):
+    for name in _QUIET.LOGGERS:
+      logging.getLogger(name).addFilter(_QUIET)
+    _QUIET.hook, sys.unraisablehook = sys.unraisablehook, _QUIET.unraisable
+  elif (_quiet_for, on) == (0, False):
+    for name in _QUIET.LOGGERS:
+      logging.getLogger(name).removeFilter(_QUIET)
+    sys.unraisablehook = _QUIET.hook
 
 
 @contextlib.contextmanager
@@ -168,10 +202,10 @@ class Checkpointer:
                        "run": ocp.JsonCheckpointHandler()})
     self.unreadable: list[int] = []  # steps restore_latest passed over
     self._pending: int | None = None  # the step whose write may still be under way
-    self._quiet = None
-    if os.environ.get("JMOE_DEBUG", "") in ("", "0"):
-      self._quiet = _NoSaveTracebacks()
-      logging.getLogger("absl").addFilter(self._quiet)
+    self._broken = False  # a save failed
+    self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
+    if self._quiet:
+      _quiet_saves(True)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -206,6 +240,7 @@ class Checkpointer:
       raise self._failed(step, e) from None
 
   def _failed(self, step: int | None, error: Exception) -> ConfigError:
+    self._broken = True
     kept = [s for s in self._manager.all_steps()
             if s != step and (self.directory / str(s)).is_dir()]
     earlier = (f"the checkpoint of step {max(kept)} is kept: once {self.directory} is a "
@@ -309,6 +344,8 @@ class Checkpointer:
       self.wait()
     finally:
       self._manager.close()
-      if self._quiet is not None:
-        logging.getLogger("absl").removeFilter(self._quiet)
-        self._quiet = None
+      # After a failed save the quiet stays on: the writes still in flight when it failed
+      # report their own failures when they end, or when collected at the process's exit.
+      if self._quiet and not self._broken:
+        _quiet_saves(False)
+        self._quiet = False

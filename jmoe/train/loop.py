@@ -153,8 +153,7 @@ class Trainer:
         self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
                                      progress=progress and self._lead, write=self._lead)
       except OSError as e:  # (found writable a moment ago: a full disk, or changed since)
-        raise ConfigError(f"{e.filename or workdir} cannot be written ({e.strerror}): free or "
-                          f"fix it, then run the same command again") from None
+        raise not_written(e, workdir) from None
     except BaseException:
       self.data.close()
       self.checkpointer.close()
@@ -204,7 +203,10 @@ class Trainer:
         if evaluate:
           record["eval_loss"] = self.evaluate()
         last_time, last_step = time.perf_counter(), done
-        self._writer.write(record)
+        try:
+          self._writer.write(record)
+        except OSError as e:
+          raise not_written(e, self.workdir / "metrics.jsonl") from None
         records.append(record)
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
         self.save()
@@ -265,21 +267,32 @@ class Trainer:
 
   def close(self) -> None:
     """Waits for pending checkpoints, stops the input threads, and frees the state's device
-    memory (the trainer cannot train after this)."""
-    try:
-      self.checkpointer.wait()
-    finally:
+    memory (the trainer cannot train after this). What fails in it is raised once all of it is
+    done (the first failure: a save's, rather than the metrics' on the same full disk)."""
+    failure = None
+    for finish in (self.checkpointer.wait, self.data.close, self._writer.close,
+                   self.checkpointer.close, self._lock.release):
       try:
-        self.data.close()
-        self._writer.close()
-        self.checkpointer.close()
-      finally:
-        self._lock.release()
-        if self.state is not None:
-          for x in jax.tree.leaves(self.state):
-            if isinstance(x, jax.Array) and not x.is_deleted():
-              x.delete()
-          self.state = self._last_metrics = None
+        finish()
+      except Exception as e:  # noqa: BLE001 - raised below
+        failure = failure or e
+    if self.state is not None:
+      for x in jax.tree.leaves(self.state):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+          x.delete()
+      self.state = self._last_metrics = None
+    if isinstance(failure, OSError):
+      raise not_written(failure, self.workdir) from None
+    if failure is not None:
+      raise failure
+
+
+def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
+  """The message for a file of the workdir (`path`, unless the error names one) that could not
+  be written: a full disk, or the workdir changed under the run."""
+  return ConfigError(f"{error.filename or path} cannot be written ({error.strerror}): free or "
+                     f"fix it, then run the same command again (it resumes from the latest "
+                     f"checkpoint)")
 
 
 def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
