@@ -32,6 +32,7 @@ LOCK = "run.lock"
 OWN = {"config.json": False, "metrics.jsonl": False, LOCK: False, "checkpoints": True,
        "corrupt_checkpoints": True, "tensorboard": True,
        **{name: False for name in TOKENIZER_FILES}}
+PROBE = ".jmoe-write-check."  # the start of the files a writability check makes and removes
 
 
 def workdir_path(workdir: str | os.PathLike) -> pathlib.Path:
@@ -124,9 +125,6 @@ def _foreign_config(path: pathlib.Path) -> str:
 def _temporary(name: str) -> bool:
   """A file a run left while writing: `write_atomic`'s, or `_check_writable`'s."""
   return name.startswith(".") and (name.endswith(".tmp") or name.startswith(PROBE))
-
-
-PROBE = ".jmoe-write-check."
 
 
 def _check_writable(directory: pathlib.Path, what: str) -> None:
