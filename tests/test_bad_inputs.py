@@ -295,11 +295,11 @@ def test_no_readable_checkpoint_stops_instead_of_starting_over(workdir):
   for f in (workdir / "checkpoints").rglob("*"):
     if f.is_file() and f.stat().st_size > 100:
       f.write_bytes(b"\0" * 64)  # every array file of every step damaged
-  metrics = hashes(workdir / "metrics.jsonl")
+  before = hashes(workdir)
   refused(again(workdir, "--config.train.steps=4"),
           r"no checkpoint in .* can be read \(steps \[2\]\).*To start this workdir over")
-  assert hashes(workdir / "metrics.jsonl") == metrics  # the history is kept
-  assert (workdir / "corrupt_checkpoints").is_dir()
+  assert hashes(workdir) == before  # the history is kept, and nothing moved: it was refused
+  assert not (workdir / "corrupt_checkpoints").exists()
   refused(again(workdir, "--config.train.steps=4"), "no checkpoint in .* can be read")
 
 
@@ -1486,3 +1486,312 @@ def test_token_shards_read_with_another_end_of_document_id_are_refused(tmp_path)
           r"data.tokenizer is 0 \(see data.eod_token\)")
   assert {k: v for k, v in hashes(tmp_path).items() if "/run/" not in k} == before
 
+# ---- training workdir, resume checks and saves ----
+
+def tree(*roots: pathlib.Path) -> dict[str, str]:
+  """Every file's hash and every directory under `roots`: what a refused run leaves as it was."""
+  found = hashes(*roots)
+  for root in roots:
+    if root.is_dir():
+      found.update({str(p): "directory" for p in root.rglob("*") if p.is_dir()})
+  return found
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_resume_refused_after_its_checkpoint_is_read_writes_nothing(workdir, damaged):
+  """The input position is checked once the checkpoint is read: refused there, the run leaves
+  config.json, metrics.jsonl and every checkpoint as they were, and moves no unreadable
+  checkpoint aside."""
+  import shutil
+  if damaged:  # a newer step that cannot be read, passed over for step 2
+    shutil.copytree(workdir / "checkpoints" / "2", workdir / "checkpoints" / "3")
+    (workdir / "checkpoints" / "3" / "state" / "manifest.ocdbt").unlink()
+  before = tree(workdir)
+  result = again(workdir, "--config.train.batch_size=16", "--config.train.steps=4")
+  refused(result, r"train\.batch_size")
+  assert ("checkpoints/3 cannot be read" in result.err) == damaged
+  assert tree(workdir) == before
+
+
+LORA = ["--config.lora.rank=4", "--config.lora.alpha=8.0"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> pathlib.Path:
+  """Two models of the tiny config (`base`, `other`: other random weights), and `run`: LoRA
+  adapters trained 2 steps on `base`."""
+  from flax import nnx
+  from jmoe.checkpoint.params import save_model
+  from jmoe.config import load_config
+  from helpers import build
+  root = tmp_path_factory.mktemp("lora")
+  config = load_config(CONFIG, [o.removeprefix("--config.") for o in TINY])
+  for name, seed in (("base", 0), ("other", 1)):
+    save_model(root / name, nnx.state(build(config, seed)), config)
+  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY, *LORA,
+                 f"--config.checkpoint.load_params={root / 'base'}")
+  assert result.code == 0, result.err[-2000:]
+  return root
+
+
+def test_lora_adapters_resume_only_on_the_model_they_were_trained_on(lora_run, tmp_path):
+  """Another checkpoint.load_params, or the same path holding other weights, is refused by
+  name and writes nothing; the same weights moved to another path resume. Scoring the run
+  refuses other weights at its base's path too."""
+  import shutil
+  run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
+  resume = lambda base, *more: train("--config", CONFIG, "--workdir", str(run), *TINY, *LORA,
+                                     f"--config.checkpoint.load_params={base}", *more)
+  message = (r"the LoRA adapters in .*checkpoints/2 were trained on the model in .*/base "
+             r"\(fingerprint \w+\), but checkpoint.load_params, .*/{}, holds other weights")
+  before = tree(run)
+  refused(resume(lora_run / "other", "--config.train.steps=3"), message.format("other"))
+  assert tree(run) == before
+  changed = pathlib.Path(shutil.copytree(lora_run / "other", tmp_path / "base"))
+  refused(resume(changed, "--config.train.steps=3"), message.format("base"))
+  assert tree(run) == before
+  shutil.rmtree(changed)
+  moved = shutil.copytree(lora_run / "base", tmp_path / "moved")
+  result = resume(moved)  # (nothing left to do: 2 steps)
+  assert result.code == 0, result.err[-2000:]
+  assert "it was" in result.err and "the same weights" in result.err
+  assert json.loads((run / "config.json").read_text())["checkpoint"]["load_params"] == str(moved)
+  # What reads the adapted model (score, generate, load_params) holds it to the same check.
+  assert score("--checkpoint", str(run), "--tokens-file", str(tokens_file(tmp_path))).code == 0
+  shutil.rmtree(moved)
+  shutil.copytree(lora_run / "other", moved)
+  before = tree(run)
+  refused(score("--checkpoint", str(run), "--tokens-file", str(tokens_file(tmp_path))),
+          r"holds LoRA adapters trained on the model in .*/base \(fingerprint \w+\), but "
+          r".*/moved holds other weights now")
+  assert tree(run) == before
+
+
+def hf_like(directory: pathlib.Path) -> pathlib.Path:
+  """What a Hugging Face model's directory holds, as far as a run can tell."""
+  write(directory / "config.json", json.dumps({"architectures": ["Qwen3MoeForCausalLM"],
+                                               "model_type": "qwen3_moe"}))
+  write(directory / "model.safetensors", b"weights")
+  return directory
+
+
+def not_a_run(name: str, tmp_path: pathlib.Path, trained: pathlib.Path):
+  """(--workdir, the directory to start in, the message) for each directory that is no run's."""
+  if name == "empty (an unset variable), in a Hugging Face model's directory":
+    return "", hf_like(tmp_path / "hf"), r"--workdir is empty \(an unset shell variable\?\)"
+  if name == "., in a Hugging Face model's directory":
+    return ".", hf_like(tmp_path / "hf"), \
+        r"--workdir \. \(.*/hf\) is not a jmoe workdir: its config.json is a Hugging Face model's"
+  if name == "., in a directory of other files":
+    write(tmp_path / "project" / "notes.txt", "mine")
+    return ".", write(tmp_path / "project" / "README.md", "mine").parent, \
+        r"--workdir \. \(.*/project\) is not empty and is not a jmoe workdir \(it holds README.md"
+  if name == "a model checkpoint":
+    write(tmp_path / "model" / "model" / "_METADATA", "{}")
+    write(tmp_path / "model" / "config.json", (trained / "config.json").read_text())
+    return str(tmp_path / "model"), tmp_path, \
+        "is a model checkpoint .* give it as --config.checkpoint.load_params"
+  if name == "a config.json that is not JSON":
+    write(tmp_path / "w" / "config.json", "{'not': json")
+    return str(tmp_path / "w"), tmp_path, "its config.json cannot be read as JSON"
+  raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", [
+    "empty (an unset variable), in a Hugging Face model's directory",
+    "., in a Hugging Face model's directory", "., in a directory of other files",
+    "a model checkpoint", "a config.json that is not JSON"])
+def test_a_workdir_that_is_not_a_runs_is_refused(name, tmp_path, trained, monkeypatch):
+  """A run writes config.json, metrics and checkpoints in its workdir: never in a directory
+  that holds something else, nor in the current one for an empty --workdir."""
+  arg, start, message = not_a_run(name, tmp_path, trained)
+  monkeypatch.chdir(start)
+  before = tree(tmp_path)
+  refused(train("--config", CONFIG, "--workdir", arg, *TINY), message)
+  assert tree(tmp_path) == before
+
+
+def make_unwritable(directory: pathlib.Path, unwritable: bool = True) -> bool:
+  """Makes `directory` unwritable (or writable again): by its mode, or for root, whom modes do
+  not stop, by the immutable attribute. False where that cannot be done."""
+  import subprocess
+  if os.geteuid():
+    directory.chmod(0o555 if unwritable else 0o755)
+    return True
+  try:
+    return subprocess.run(["chattr", "+i" if unwritable else "-i", str(directory)],
+                          capture_output=True).returncode == 0
+  except OSError:  # no chattr
+    return False
+
+
+@contextlib.contextmanager
+def made_unwritable(directory: pathlib.Path):
+  if not make_unwritable(directory):
+    pytest.skip("root's writes cannot be refused here (no chattr +i)")
+  try:
+    yield directory
+  finally:
+    make_unwritable(directory, False)
+
+
+def bad_place(name: str, tmp_path: pathlib.Path, workdir: pathlib.Path):
+  """(--workdir, the directory made unwritable or None, the message) for each place a run
+  cannot write in."""
+  import shutil
+  if name == "a file":
+    return write(tmp_path / "file", "mine"), None, r"--workdir .*/file is a file"
+  if name == "under a file":
+    return write(tmp_path / "file", "mine") / "run", None, \
+        r"--workdir .*/file/run lies under .*/file, which is a file"
+  if name == "checkpoints is a file":
+    shutil.rmtree(workdir / "checkpoints")
+    write(workdir / "checkpoints", "mine")
+    return workdir, None, \
+        r"run/checkpoints is not a directory, where the run writes its checkpoints"
+  if name == "tensorboard is a file":
+    shutil.rmtree(workdir / "tensorboard")
+    write(workdir / "tensorboard", "mine")
+    return workdir, None, "run/tensorboard is not a directory"
+  if name == "metrics.jsonl is a directory":
+    (workdir / "metrics.jsonl").unlink()
+    write(workdir / "metrics.jsonl" / "x", "mine")
+    return workdir, None, "run/metrics.jsonl is a directory"
+  if name == "read-only":
+    return workdir, workdir, r"--workdir .*/run cannot be written \(.*\): make it writable"
+  if name == "checkpoints read-only":
+    return workdir, workdir / "checkpoints", r"run/checkpoints cannot be written \(.*\)"
+  if name == "new, in a read-only directory":
+    (tmp_path / "parent").mkdir()
+    return tmp_path / "parent" / "run", tmp_path / "parent", \
+        r"--workdir .*/parent/run cannot be created in .*/parent \(.*\)"
+  raise KeyError(name)
+
+
+@pytest.mark.parametrize("name", [
+    "a file", "under a file", "checkpoints is a file", "tensorboard is a file",
+    "metrics.jsonl is a directory", "read-only", "checkpoints read-only",
+    "new, in a read-only directory"])
+def test_where_a_run_cannot_write_is_found_before_it_starts(name, tmp_path, workdir):
+  """Found before anything is built or written, not at the first save after the training."""
+  path, locked, message = bad_place(name, tmp_path, workdir)
+  before = tree(tmp_path)
+  with made_unwritable(locked) if locked else contextlib.nullcontext():
+    result = train("--config", CONFIG, "--workdir", str(path), *TINY, "--config.train.steps=3")
+  refused(result, message)
+  assert "compiled the train step" not in result.err
+  assert tree(tmp_path) == before
+
+
+FAILING_SAVES = '''
+import os, pathlib, shutil, signal, subprocess, sys
+from jmoe.checkpoint import manager
+from jmoe.train import preemption
+
+save, stop_requested = manager.Checkpointer.save, preemption.StopSignals.stop_requested
+
+def breaking_save(self, step, *args):
+    """Before the save of step BREAK_AT: the checkpoints path replaced by a file, or made
+    unwritable, once the saves before it are written."""
+    if step == int(os.environ["BREAK_AT"]):
+        self.wait()
+        if os.environ["BREAK"] == "unwritable":
+            if os.geteuid():
+                self.directory.chmod(0o555)
+            else:
+                subprocess.run(["chattr", "+i", str(self.directory)], check=True)
+        else:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory.write_text("in the way")
+    return save(self, step, *args)
+
+def signalled(self, step):
+    if step == int(os.environ.get("SIGNAL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return stop_requested(self, step)
+
+manager.Checkpointer.save = breaking_save
+preemption.StopSignals.stop_requested = signalled
+sys.argv[0] = "jmoe.train"
+from jmoe.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def train_process(tmp_path, workdir, *overrides, script=None, **env):
+  """`python -m jmoe.train` (or `script`, with its arguments) in its own process, which must end
+  within 5 minutes (a save that failed in the background once kept it alive for 20)."""
+  import subprocess
+  args = ([str(write(tmp_path / "failing_saves.py", script))] if script else ["-m", "jmoe.train"])
+  done = subprocess.run(
+      [sys.executable, *args, "--config", CONFIG, "--workdir", str(workdir), "--no-progress",
+       *TINY, *overrides], cwd=ROOT, env=command_env(8, PYTHONPATH=str(ROOT), **env),
+      capture_output=True, text=True, timeout=300)
+  return Result(done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("overrides, env, message", [
+    pytest.param(
+        ["--config.train.steps=4", "--config.checkpoint.every=1",
+         "--config.checkpoint.async_save=true"],
+        dict(BREAK="file", BREAK_AT="2"),
+        r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError: .*\), "
+        r"so training stopped; no earlier checkpoint is left",
+        id="in the background, a periodic save"),
+    pytest.param(
+        ["--config.train.steps=50", "--config.checkpoint.async_save=true"],
+        dict(BREAK="file", BREAK_AT="2", SIGNAL_AT="2"),
+        r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError",
+        id="in the background, the save on SIGTERM"),
+    pytest.param(
+        ["--config.train.steps=3", "--config.checkpoint.every=2"],
+        dict(BREAK="unwritable", BREAK_AT="3"),
+        r"saving the checkpoint of step 3 in .*/checkpoints failed \(PermissionError: .*\), so "
+        r"training stopped; the checkpoint of step 2 is kept: once .*/checkpoints is a writable "
+        r"directory again, the same command resumes from it",
+        id="unwritable, the final save"),
+])
+def test_a_save_that_fails_stops_the_run_with_a_message(tmp_path, overrides, env, message):
+  """Whether the save is in the background or not, periodic, final or on a signal: one line,
+  exit 2, the process ends, and what was on disk stays (the earlier checkpoint, the file in the
+  way)."""
+  workdir, probe = tmp_path / "run", tmp_path / "probe"
+  if env["BREAK"] == "unwritable":
+    probe.mkdir()
+    if not make_unwritable(probe):
+      pytest.skip("root's writes cannot be refused here (no chattr +i)")
+    make_unwritable(probe, False)
+  try:
+    result = train_process(tmp_path, workdir, *overrides, script=FAILING_SAVES, **env)
+  finally:
+    if env["BREAK"] == "unwritable" and (workdir / "checkpoints").is_dir():
+      make_unwritable(workdir / "checkpoints", False)
+  refused(result, message)
+  assert result.err.count("error:") == 1
+  if env["BREAK"] == "file":
+    assert (workdir / "checkpoints").read_text() == "in the way"
+  else:
+    from jmoe.checkpoint import Checkpointer
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=3)
+    assert checkpointer.all_steps() == [2] and checkpointer.run_record(2) is None
+    checkpointer.close()
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2"]
+
+
+def test_a_disk_that_fills_up_in_a_background_save_stops_the_run(tmp_path):
+  """A real failure of the background write: a 300 kB file system fills up during the first
+  save. One line, exit 2, and the process ends."""
+  import subprocess
+  workdir = tmp_path / "small"
+  workdir.mkdir()
+  mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(workdir)],
+                           capture_output=True)
+  if mounted.returncode:
+    pytest.skip("cannot mount a small file system here")
+  try:
+    result = train_process(tmp_path, workdir, "--config.train.steps=4",
+                           "--config.checkpoint.every=1", "--config.checkpoint.async_save=true")
+  finally:
+    subprocess.run(["umount", str(workdir)], check=True)
+  refused(result,
+          r"saving the checkpoint of step 1 in .*/checkpoints failed \(.*RESOURCE_EXHAUSTED")

@@ -44,9 +44,10 @@ class Family:
   ignored: frozenset = frozenset()
 
 
-# ---- config.json -> jmoe (the fields every family reads alike: hf_common.py): every field that changes what the model computes is read (with its
+# ---- config.json -> jmoe: every field that changes what the model computes is read (with its
 # type and range) and mapped, or refused by name; a missing one takes transformers' default for
-# the family (its config class, transformers 5), listed in each family's DEFAULTS.
+# the family (its config class, transformers 5), listed in each family's DEFAULTS. The fields
+# every family reads alike are in hf_common.py.
 
 QWEN3_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6,
                       max_position_embeddings=32768, attention_bias=False,

@@ -1,16 +1,21 @@
 """Saves and restores training checkpoints under `<workdir>/checkpoints` with Orbax.
 
-Each step's checkpoint holds two items:
+Each step's checkpoint holds two items, and a third for some runs:
     state/   the train state (step, parameters, optimizer state, router biases)
     data/    the input pipeline's position, as JSON
+    run/     what a resume must find unchanged that the state does not hold (LoRA: the model
+             under the adapters), as JSON
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
 save (or `wait`) waits for the write to finish. A step's directory appears only when its write is
-complete, so a save cut short leaves no half-written step behind.
+complete, so a save cut short leaves no half-written step behind. A save that fails, in the
+foreground or the background, raises a ConfigError naming the step and the directory at the next
+`save` or `wait`.
 
 Restoring takes the target shardings from the current run, so the saved arrays land directly in
 this run's placement whatever layout or device count wrote them. A latest checkpoint that cannot
-be read (a truncated or damaged file) is moved aside to `<workdir>/corrupt_checkpoints/` and the
-previous one is used.
+be read (a truncated or damaged file) is passed over for the previous one; `set_aside_unreadable`
+then moves it to `<workdir>/corrupt_checkpoints/`, once the run has found everything else in
+order.
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import contextlib
 import functools
 import itertools
 import logging
+import os
 import pathlib
 import shutil
+import sys
 import time
 from typing import Any, Iterator
 
@@ -103,6 +110,48 @@ class _NotAboutItemMetadata(logging.Filter):
     return "Metadata file does not exist" not in record.getMessage()
 
 
+class _NoSaveTracebacks(logging.Filter):
+  """A failed background save's tracebacks: logged by Orbax's threads, by asyncio for the writes
+  failing beside the one Orbax raises, and raised by the writes that end after Orbax's event loop
+  closed on the failure or are dropped unfinished at exit. The failure reaches the run as an
+  exception at its next save or wait, and jmoe says it in one line."""
+
+  LOGGERS = ("absl", "asyncio")
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.name == "asyncio":
+      return "exception was never retrieved" not in record.getMessage()
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
+                and (record.exc_info or "Traceback" in record.getMessage()))
+
+  def unraisable(self, raised) -> None:
+    """sys.unraisablehook but for the writes of a failed save: an event loop closed under them,
+    or their coroutines dropped unfinished."""
+    closed = (isinstance(raised.exc_value, RuntimeError)
+              and str(raised.exc_value) == "Event loop is closed")
+    dropped = "orbax" in getattr(getattr(raised.object, "cr_code", None), "co_filename", "")
+    if not (closed or dropped):
+      self.hook(raised)
+
+
+_QUIET = _NoSaveTracebacks()
+_quiet_for = 0  # open Checkpointers that keep it on
+
+
+def _quiet_saves(on: bool) -> None:
+  """Turns `_QUIET` on for one more open Checkpointer, or off for one fewer."""
+  global _quiet_for
+  _quiet_for += 1 if on else -1
+  if (_quiet_for, on) == (1, True):
+    for name in _QUIET.LOGGERS:
+      logging.getLogger(name).addFilter(_QUIET)
+    _QUIET.hook, sys.unraisablehook = sys.unraisablehook, _QUIET.unraisable
+  elif (_quiet_for, on) == (0, False):
+    for name in _QUIET.LOGGERS:
+      logging.getLogger(name).removeFilter(_QUIET)
+    sys.unraisablehook = _QUIET.hook
+
+
 @contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
   log_filter, absl_log = _NotAboutItemMetadata(), logging.getLogger("absl")
@@ -140,12 +189,23 @@ class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True):
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                           enable_async_checkpointing=async_save)
+    # Nothing is created before the first save (a refused run leaves no trace). Directories are
+    # made in the foreground: made in the background, a failure to make one left Orbax's other
+    # writer threads waiting for it for 20 minutes, and the process with them.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=False, enable_async_checkpointing=async_save,
+        async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": ocp.JsonCheckpointHandler()})
+                       "data": ocp.JsonCheckpointHandler(),
+                       "run": ocp.JsonCheckpointHandler()})
+    self.unreadable: list[int] = []  # steps restore_latest passed over
+    self._pending: int | None = None  # the step whose write may still be under way
+    self._broken = False  # a save failed
+    self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
+    if self._quiet:
+      _quiet_saves(True)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -153,14 +213,50 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
-  def save(self, step: int, state: Any, data: dict[str, Any] | None = None) -> None:
-    """Starts saving `state` (and the data position) as step `step`; returns before the write
-    ends. A step that is already saved is left as it is."""
+  def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
+           run: dict[str, Any] | None = None) -> None:
+    """Starts saving `state`, the data position and `run` (what a resume checks) as step
+    `step`; returns before the write ends. A step that is already saved is left as it is. Raises
+    a ConfigError if this save, or the previous one in the background, fails."""
     if step in self._manager.all_steps():
       return
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state, save_args=part_save_args(state)),
-        data=ocp.args.JsonSave(data or {})), force=True)
+    self.wait()
+    items = dict(state=ocp.args.StandardSave(state, save_args=part_save_args(state)),
+                 data=ocp.args.JsonSave(data or {}))
+    if run:
+      items["run"] = ocp.args.JsonSave(run)
+    self._pending = step
+    try:
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    except Exception as e:  # noqa: BLE001 - whatever the file system says, named in one line
+      raise self._failed(step, e) from None
+
+  def wait(self) -> None:
+    """Waits for the save under way; raises a ConfigError if it failed."""
+    step, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+    except Exception as e:  # noqa: BLE001
+      raise self._failed(step, e) from None
+
+  def _failed(self, step: int | None, error: Exception) -> ConfigError:
+    self._broken = True
+    kept = [s for s in self._manager.all_steps()
+            if s != step and (self.directory / str(s)).is_dir()]
+    earlier = (f"the checkpoint of step {max(kept)} is kept: once {self.directory} is a "
+               f"writable directory again, the same command resumes from it" if kept else
+               f"no earlier checkpoint is left in {self.directory}")
+    reason = str(error).splitlines()[0][:300] if str(error) else ""
+    return ConfigError(f"saving the checkpoint of step {step} in {self.directory} failed "
+                       f"({type(error).__name__}: {reason}), so training stopped; {earlier}")
+
+  def run_record(self, step: int) -> dict[str, Any] | None:
+    """What the checkpoint of `step` recorded for a resume to check (`save`'s `run`), or None
+    when it recorded nothing."""
+    if not (self.directory / str(step) / "run").is_dir():
+      return None
+    return dict(self._manager.restore(step, args=ocp.args.Composite(
+        run=ocp.args.JsonRestore())).run or {})
 
   def restore(self, step: int, abstract_state: Any, shardings: Any
               ) -> tuple[Any, dict[str, Any]]:
@@ -180,28 +276,36 @@ class Checkpointer:
   def restore_latest(self, abstract_state: Any, shardings: Any
                      ) -> tuple[int, Any, dict[str, Any]] | None:
     """The newest readable checkpoint as (step, state, data position), or None when the
-    workdir never had one. Unreadable ones are reported and moved aside; a checkpoint of another
-    model (different shapes) is an error, since no older one would fit either. When none can be
-    read (now, or when an earlier run moved them aside) that is an error too: a run never starts
-    over silently where one had progress."""
+    workdir never had one. Unreadable ones are reported and passed over (listed in
+    `unreadable`; nothing is moved here); a checkpoint of another model (different shapes) is an
+    error, since no older one would fit either. When none can be read (now, or when an earlier
+    run moved them aside) that is an error too: a run never starts over silently where one had
+    progress."""
     steps = self.all_steps()
+    self.unreadable = []
     for step in reversed(steps):
       try:
         state, data = self.restore(step, abstract_state, shardings)
       except ConfigError:
         raise
       except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
-        self._set_aside(step, e)
+        log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it",
+                    self.directory / str(step), type(e).__name__,
+                    str(e).splitlines()[0][:300] if str(e) else "")
+        self.unreadable.append(step)
         continue
       return step, state, data
     moved = sorted(p.name for p in self.aside.iterdir()) if self.aside.is_dir() else []
     if steps or moved:
+      found = f" (steps {steps})" if steps else ""
+      if moved:
+        found += f"; the unreadable ones of earlier runs are in {self.aside} ({', '.join(moved)})"
+      delete = " and ".join(str(p) for p, has in ((self.directory, steps), (self.aside, moved))
+                            if has)
       raise ConfigError(
-          f"no checkpoint in {self.directory} can be read"
-          f"{f' (steps {steps})' if steps else ''}; the unreadable ones are in {self.aside} "
-          f"({', '.join(moved)}). To start this workdir over from step 0, delete {self.aside} "
-          f"(and {self.directory.parent / 'metrics.jsonl'} if its history should go too), or "
-          f"give another --workdir")
+          f"no checkpoint in {self.directory} can be read{found}. To start this workdir over "
+          f"from step 0, delete {delete} (and {self.directory.parent / 'metrics.jsonl'} if its "
+          f"history should go too), or give another --workdir")
     return None
 
   def _check_matches(self, step: int, abstract_state: Any) -> None:
@@ -219,20 +323,29 @@ class Checkpointer:
           f"config.json), or start in a new --workdir; to start from its parameters only, use "
           f"--config.checkpoint.load_params")
 
-  def _set_aside(self, step: int, error: Exception) -> None:
-    aside = self.aside / f"{step}-{int(time.time())}"
-    log.warning("checkpoint %s cannot be read (%s: %s); moving it to %s and trying the one "
-                "before it", self.directory / str(step), type(error).__name__,
-                str(error).splitlines()[0][:300] if str(error) else "", aside)
-    if jax.process_index() == 0:
-      aside.parent.mkdir(parents=True, exist_ok=True)
-      shutil.move(str(self.directory / str(step)), str(aside))
-    if jax.process_count() > 1:
-      multihost_utils.sync_global_devices(f"jmoe_set_aside_{step}")
-    self._manager.reload()
-
-  def wait(self) -> None:
-    self._manager.wait_until_finished()
+  def set_aside_unreadable(self) -> None:
+    """Moves the checkpoints `restore_latest` passed over to `aside` (kept for inspection): a
+    run that goes on must not have them among its steps."""
+    for step in self.unreadable:
+      aside = self.aside / f"{step}-{int(time.time())}"
+      log.warning("moving the unreadable checkpoint %s to %s", self.directory / str(step), aside)
+      if jax.process_index() == 0:
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(self.directory / str(step)), str(aside))
+      if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"jmoe_set_aside_{step}")
+    if self.unreadable:
+      self._manager.reload()
+    self.unreadable = []
 
   def close(self) -> None:
-    self._manager.close()
+    """Waits for the save under way (raising if it failed) and lets go of Orbax's threads."""
+    try:
+      self.wait()
+    finally:
+      self._manager.close()
+      # After a failed save the quiet stays on: the writes still in flight when it failed
+      # report their own failures when they end, or when collected at the process's exit.
+      if self._quiet and not self._broken:
+        _quiet_saves(False)
+        self._quiet = False

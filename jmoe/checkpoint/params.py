@@ -11,6 +11,7 @@ its latest checkpoint, without its optimizer state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -18,6 +19,7 @@ import pathlib
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import numpy as np
 from flax import nnx
@@ -136,7 +138,7 @@ def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | N
     target = with_shardings(target, nnx.to_pure_dict(shardings))
   run_state = lambda: _run_state_paths(read_config(directory))
   if not (directory / "model").is_dir():
-    return _read_newest_readable(directory, target, run_state, opened=shardings is None)
+    return _read_newest_readable(directory, target, run_state, opened=shardings is None)[1]
   with ocp.StandardCheckpointer() as checkpointer:
     _check(directory / "model", checkpointer.metadata(directory / "model").item_metadata,
            target, run_state())
@@ -175,9 +177,23 @@ def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.Sta
   target = nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 1))
   if shardings is not None:
     target = with_shardings(target, nnx.to_pure_dict(part(shardings, FROZEN_PARAMS, 1)))
-  own = _read_newest_readable(workdir, target, lambda: _run_state_paths(config),
-                              opened=shardings is None)
+  step, own = _read_newest_readable(workdir, target, lambda: _run_state_paths(config),
+                                    opened=shardings is None)
+  if shardings is not None:  # (opened arrays are read a part at a time, later)
+    _check_base(workdir, step, base, frozen)
   return merge_dicts(frozen, own)
+
+
+def _check_base(workdir: pathlib.Path, step: int, base: pathlib.Path, frozen: dict) -> None:
+  """Refuses adapters on other weights than the frozen model they were trained on, as their
+  checkpoint records it (a LoRA run's `run` item)."""
+  checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
+  saved = (checkpointer.run_record(step) or {}).get("lora_base")
+  checkpointer.close()
+  if saved and saved["fingerprint"] != fingerprint(frozen):
+    raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {saved['path']} "
+                      f"(fingerprint {saved['fingerprint']}), but {base} holds other weights "
+                      f"now: put the model they were trained on back there")
 
 
 def _subset(target: dict, values: dict) -> dict:
@@ -188,10 +204,10 @@ def _subset(target: dict, values: dict) -> dict:
 
 def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
                           run_state: Callable[[], set[tuple[str, ...]]], opened: bool
-                          ) -> dict[str, Any]:
-  """The model variables of a training workdir's newest checkpoint that can be read (`opened`:
-  as StoredArrays); the damaged ones after it are reported and passed over (not moved: reading
-  changes nothing)."""
+                          ) -> tuple[int, dict[str, Any]]:
+  """(step, model variables) of a training workdir's newest checkpoint that can be read
+  (`opened`: as StoredArrays); the damaged ones after it are reported and passed over (not
+  moved: reading changes nothing)."""
   steps = []
   if (workdir / "checkpoints").is_dir():
     checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
@@ -204,7 +220,7 @@ def _read_newest_readable(workdir: pathlib.Path, target: dict[str, Any],
   for step in reversed(steps):
     path = workdir / "checkpoints" / str(step) / "state"
     try:
-      return _read_from_train_state(path, target, paths, opened)
+      return step, _read_from_train_state(path, target, paths, opened)
     except ConfigError:
       raise
     except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
@@ -302,6 +318,44 @@ def _check(path: pathlib.Path, saved: Any, target: Any, run_state: set[tuple[str
   if problem:
     raise ConfigError(f"the model in {path} does not fit this config: {problem}. Use the "
                       f"model settings it was saved with (its config.json)")
+
+
+def fingerprint(variables: nnx.State | dict) -> str:
+  """A digest of the values of `variables` (a State, or its pure dict), bit for bit, that does
+  not depend on how they are sharded: per array, two 32-bit sums of its elements' bits mixed with
+  their positions (integer sums, whose order does not matter), hashed with the arrays' names,
+  dtypes and shapes."""
+  tree = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
+  named = jax.tree_util.tree_flatten_with_path(tree)[0]
+  sums = jax.device_get(_bit_sums([x for _, x in named]))
+  digest = hashlib.sha256()
+  for (path, x), (a, b) in zip(named, sums):
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    digest.update(f"{name} {np.dtype(x.dtype).name}{list(x.shape)} {int(a)} {int(b)};".encode())
+  return digest.hexdigest()[:16]
+
+
+def _mix(v_N: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finalizer: every input bit reaches every output bit."""
+  v_N = (v_N ^ (v_N >> 16)) * jnp.uint32(0x85EBCA6B)
+  v_N = (v_N ^ (v_N >> 13)) * jnp.uint32(0xC2B2AE35)
+  return v_N ^ (v_N >> 16)
+
+
+@jax.jit
+def _bit_sums(arrays: list[jax.Array]) -> list[jax.Array]:
+  def one(x):
+    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
+    index, stride = jnp.zeros(bits.shape, jnp.uint32), 1  # the element's position, mod 2^32
+    for axis in reversed(range(bits.ndim)):
+      index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
+      stride *= bits.shape[axis]
+    mixed = _mix(bits ^ _mix(index ^ jnp.uint32(0x9E3779B9)))
+    return jnp.stack([jnp.sum(mixed, dtype=jnp.uint32),
+                      jnp.sum(_mix(mixed ^ jnp.uint32(0x27D4EB2F)), dtype=jnp.uint32)])
+  return [one(x) for x in arrays]
 
 
 def load_model(directory: str | pathlib.Path, layout: Layout, merge_adapters: bool = False

@@ -16,7 +16,7 @@ from flax import nnx
 from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.hf_files import copy_tokenizer_files
-from jmoe.checkpoint.params import read_variables, with_saved_architecture
+from jmoe.checkpoint.params import fingerprint, read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
@@ -31,7 +31,8 @@ from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
 from jmoe.train.state import StateSpec, TrainState, frozen, state_spec
 from jmoe.train.step import compile_train_step, make_eval_step
-from jmoe.train.workdir import WorkdirLock, write_atomic
+from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
+                                workdir_path, write_atomic)
 
 log = logging.getLogger("jmoe")
 
@@ -93,22 +94,29 @@ class Trainer:
   def __init__(self, config: Config, workdir: str | pathlib.Path, *, progress: bool = True,
                devices: Sequence[jax.Device] | None = None):
     self.config = config = with_saved_architecture(config)
-    self.workdir = workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    self.workdir = workdir = workdir_path(workdir)
     # The registries config validation cannot see, checked before anything is built.
     check_family(config.model.family)
     choice("moe.dispatcher", config.moe.dispatcher, DISPATCHERS)
     self.layout = layout = make_layout(config.parallel, devices)
     check_batch_fits(config, layout)
+    check_workdir(workdir)
+    made = make_workdir(workdir)
     self._lead = jax.process_index() == 0
-    self._lock = WorkdirLock(workdir).acquire()
     try:
-      self._start(config, workdir, progress)
+      self._lock = WorkdirLock(workdir).acquire()
+      try:
+        self._start(config, workdir, progress)
+      except BaseException:
+        self._lock.release()
+        raise
     except BaseException:
-      self._lock.release()
+      remove_made(workdir, made)  # a refused run leaves no empty workdir behind
       raise
 
   def _start(self, config: Config, workdir: pathlib.Path, progress: bool) -> None:
+    """Every check a start can fail (the data, the checkpoint, the frozen model under LoRA
+    adapters, the data position, the first batch, compiling), and only then the writes."""
     layout = self.layout
     optimizer = make_optimizer(config.train, config.precision.moments)
     self.spec = spec = state_spec(config, layout, optimizer)
@@ -125,16 +133,14 @@ class Trainer:
                                      async_save=config.checkpoint.async_save)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
+      self._record = run_record(config, self.state)
+      if self.step:
+        check_record(self.checkpointer, self.step, self._record)
       if data_state is not None:  # refused here if this config reads other data from there
         self.data.restore(data_state, self.step, workdir)
       elif self.step:
         log.warning("the checkpoint of step %d holds no input position; the data starts over",
                     self.step)
-      if self._lead:  # only once the workdir's checkpoint has been found to fit this config
-        write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
-        drop_metrics_after(workdir / "metrics.jsonl", self.step)
-        if self.data.tokenizer.path is not None:  # for generation and export from the workdir
-          copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
       t0 = time.perf_counter()
       self._step_fn = compile_train_step(config, layout, spec, optimizer,
@@ -142,8 +148,12 @@ class Trainer:
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
-      self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
-                                   progress=progress and self._lead, write=self._lead)
+      try:
+        self._write_start(config, workdir)
+        self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
+                                     progress=progress and self._lead, write=self._lead)
+      except OSError as e:  # (found writable a moment ago: a full disk, or changed since)
+        raise not_written(e, workdir) from None
     except BaseException:
       self.data.close()
       self.checkpointer.close()
@@ -151,6 +161,16 @@ class Trainer:
     self._last_metrics: dict | None = None
     self._saved = self.step if self.checkpointer.latest_step() == self.step else None
     self.health = StepHealth(config.train.max_bad_steps, config.train.lr)
+
+  def _write_start(self, config: Config, workdir: pathlib.Path) -> None:
+    """What a start writes once every check has passed: unreadable checkpoints moved aside, the
+    config, the metrics after the resumed step dropped, the tokenizer's files."""
+    self.checkpointer.set_aside_unreadable()
+    if self._lead:
+      write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
+      drop_metrics_after(workdir / "metrics.jsonl", self.step)
+      if self.data.tokenizer.path is not None:  # for generation and export from the workdir
+        copy_tokenizer_files(self.data.tokenizer.path.parent, workdir, replace=False)
 
   def __enter__(self) -> "Trainer":
     return self
@@ -183,7 +203,10 @@ class Trainer:
         if evaluate:
           record["eval_loss"] = self.evaluate()
         last_time, last_step = time.perf_counter(), done
-        self._writer.write(record)
+        try:
+          self._writer.write(record)
+        except OSError as e:
+          raise not_written(e, self.workdir / "metrics.jsonl") from None
         records.append(record)
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
         self.save()
@@ -223,7 +246,8 @@ class Trainer:
         raise Diverged(f"the parameters at step {self.step} are not finite, so they are not "
                        f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
                        f"{self.config.train.lr:g}) or train.grad_clip")
-      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state())
+      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state(),
+                             self._record)
       self._saved = self.step
     return self.checkpointer.directory / str(self.step)
 
@@ -243,19 +267,32 @@ class Trainer:
 
   def close(self) -> None:
     """Waits for pending checkpoints, stops the input threads, and frees the state's device
-    memory (the trainer cannot train after this)."""
-    try:
-      self.checkpointer.wait()
-    finally:
-      self.data.close()
-      self._writer.close()
-      self.checkpointer.close()
-      self._lock.release()
-      if self.state is not None:
-        for x in jax.tree.leaves(self.state):
-          if isinstance(x, jax.Array) and not x.is_deleted():
-            x.delete()
-        self.state = self._last_metrics = None
+    memory (the trainer cannot train after this). What fails in it is raised once all of it is
+    done (the first failure: a save's, rather than the metrics' on the same full disk)."""
+    failure = None
+    for finish in (self.checkpointer.wait, self.data.close, self._writer.close,
+                   self.checkpointer.close, self._lock.release):
+      try:
+        finish()
+      except Exception as e:  # noqa: BLE001 - raised below
+        failure = failure or e
+    if self.state is not None:
+      for x in jax.tree.leaves(self.state):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+          x.delete()
+      self.state = self._last_metrics = None
+    if isinstance(failure, OSError):
+      raise not_written(failure, self.workdir) from None
+    if failure is not None:
+      raise failure
+
+
+def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
+  """The message for a file of the workdir (`path`, unless the error names one) that could not
+  be written: a full disk, or the workdir changed under the run."""
+  return ConfigError(f"{error.filename or path} cannot be written ({error.strerror}): free or "
+                     f"fix it, then run the same command again (it resumes from the latest "
+                     f"checkpoint)")
 
 
 def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
@@ -300,6 +337,38 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     params, rest = nnx.split_state(variables, nnx.Param, ...)
     return 0, spec.init_from(params, nnx.merge_state(rest, histories)), None
   return 0, spec.init(), None
+
+
+def run_record(config: Config, state: TrainState) -> dict | None:
+  """What the run's checkpoints record for a resume to check: with LoRA, the frozen model under
+  the adapters (where it was read from, and a fingerprint of its values)."""
+  if not config.lora.rank:
+    return None
+  base = nnx.split_state(state.rest, frozen(config), ...)[0]
+  return {"lora_base": {"path": str(pathlib.Path(config.checkpoint.load_params).absolute()),
+                        "fingerprint": fingerprint(base)}}
+
+
+def check_record(checkpointer: Checkpointer, step: int, record: dict | None) -> None:
+  """Refuses to resume the checkpoint of `step` on what differs from what it records: LoRA
+  adapters on another frozen model than the one they were trained on."""
+  now = (record or {}).get("lora_base")
+  if now is None:
+    return
+  saved = (checkpointer.run_record(step) or {}).get("lora_base")
+  where = checkpointer.directory / str(step)
+  if saved is None:
+    log.warning("%s does not record the model its LoRA adapters were trained on (an earlier "
+                "jmoe saved it): make sure it is checkpoint.load_params, %s", where, now["path"])
+  elif saved["fingerprint"] != now["fingerprint"]:
+    raise ConfigError(
+        f"the LoRA adapters in {where} were trained on the model in {saved['path']} (fingerprint "
+        f"{saved['fingerprint']}), but checkpoint.load_params, {now['path']}, holds other weights "
+        f"(fingerprint {now['fingerprint']}): resume with the model they were trained on, or "
+        f"train new adapters in another --workdir")
+  elif saved["path"] != now["path"]:
+    log.info("the frozen model under the adapters is read from %s now (it was %s): the same "
+             "weights", now["path"], saved["path"])
 
 
 def _frozen_model(config: Config, spec: StateSpec, whole: bool = False) -> nnx.State:
