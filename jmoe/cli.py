@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import sys
@@ -44,12 +45,34 @@ def run(main: Callable[[], int]) -> int:
     return 128 + e.signum
 
 
+def number(kind: type = float, low: float | None = None, high: float | None = None,
+           open_low: bool = False) -> Callable[[str], float]:
+  """An argparse `type` for a number flag: a finite `kind` (int or float) in [low, high] (low
+  excluded with `open_low`), else argparse's one-line usage error naming the flag and the range."""
+  bounds = (f"{'(' if open_low else '['}{'-inf' if low is None else low}, "
+            f"{'inf' if high is None else high}]")
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+          f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    below = low is not None and (value <= low if open_low else value < low)
+    if not math.isfinite(value) or below or (high is not None and value > high):
+      raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+    return value
+
+  parse.__name__ = kind.__name__  # argparse names the type in its messages
+  return parse
+
+
 def layout_parser(description: str) -> argparse.ArgumentParser:
   """The arguments of the commands that look at a config's step on a number of devices before
   renting them: `--config` and `--devices` (with `devices_for`); the command adds its own."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=int,
+  parser.add_argument("--devices", type=number(int, 1),
                       help="for this many devices: the first N at hand, or N simulated "
                            "(default: all at hand)")
   return parser

@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jmoe.cli import run, split_overrides
+from jmoe.cli import number, run, split_overrides
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
   exp.add_argument("--out", required=True)
   exp.add_argument("--dtype", choices=["float32", "bfloat16"],
                    help="tensor dtype to write; default: the checkpoint's parameter dtype")
-  exp.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, in GB")
+  exp.add_argument("--shard-gb", type=number(float, 0, open_low=True), default=4.0, help="largest safetensors file, in GB")
   exp.add_argument("--overwrite", action="store_true", help="replace what --out holds")
   exp.add_argument("--rope-interleave", choices=["true", "false"],
                    help="DeepSeek-V3: rotary weights interleaved (its checkpoints' layout, the "
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
   up.add_argument("--config", required=True, help="the MoE model's configs/*.py file")
   up.add_argument("--out", required=True)
   up.add_argument("--overwrite", action="store_true", help="replace what --out holds")
-  up.add_argument("--router-std", type=float,
+  up.add_argument("--router-std", type=number(float, 0),
                   help="spread of the initial router weights; default model.init_std, 0 gives "
                        "uniform routing")
 

@@ -23,7 +23,7 @@ import json
 import pathlib
 import sys
 
-from jmoe.cli import run
+from jmoe.cli import number, run
 from jmoe.config import ConfigError, ParallelConfig
 
 
@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--chat", action="store_true",
                       help="each --prompt is a user's message in the tokenizer's chat template")
   parser.add_argument("--tokens-file", help="one prompt per line, token ids separated by spaces")
-  parser.add_argument("--max-new-tokens", type=int, default=32)
-  parser.add_argument("--temperature", type=float, default=0.0)
-  parser.add_argument("--top-p", type=float, default=1.0)
+  parser.add_argument("--max-new-tokens", type=number(int, 1), default=32)
+  parser.add_argument("--temperature", type=number(float, 0), default=0.0)
+  parser.add_argument("--top-p", type=number(float, 0, 1, open_low=True), default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--no-cache", action="store_true",
                       help="recompute the whole sequence each step (the reference)")

@@ -1795,3 +1795,63 @@ def test_a_disk_that_fills_up_in_a_background_save_stops_the_run(tmp_path):
     subprocess.run(["umount", str(workdir)], check=True)
   refused(result,
           r"saving the checkpoint of step 1 in .*/checkpoints failed \(.*RESOURCE_EXHAUSTED")
+
+
+# ---- numbers given as command flags ----
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("convert", ["export-hf", "--checkpoint", "C", "--out", "O", "--shard-gb=nan"],
+     r"argument --shard-gb: nan is outside \(0, inf\]"),
+    ("convert", ["export-hf", "--checkpoint", "C", "--out", "O", "--shard-gb=0"],
+     r"argument --shard-gb: 0 is outside \(0, inf\]"),
+    ("convert", ["export-hf", "--checkpoint", "C", "--out", "O", "--shard-gb=inf"],
+     r"argument --shard-gb: inf is outside"),
+    ("convert", ["upcycle", "--checkpoint", "C", "--config", CONFIG, "--out", "O",
+                 "--router-std=nan"], r"argument --router-std: nan is outside \[0, inf\]"),
+    ("convert", ["upcycle", "--checkpoint", "C", "--config", CONFIG, "--out", "O",
+                 "--router-std=-1"], r"argument --router-std: -1 is outside"),
+    ("prepare", ["--source", "stdlib", "--out", "O", "--shard-tokens=0"],
+     r"argument --shard-tokens: 0 is outside \[1, inf\]"),
+    ("prepare", ["--source", "stdlib", "--out", "O", "--max-corpus-bytes=-1"],
+     r"argument --max-corpus-bytes: -1 is outside"),
+    ("prepare", ["--source", "stdlib", "--out", "O", "--shard-tokens=2.5"],
+     r"argument --shard-tokens: '2.5' is not an integer"),
+    ("generate", ["--checkpoint", "C", "--tokens-file", "T", "--temperature=nan"],
+     r"argument --temperature: nan is outside \[0, inf\]"),
+    ("generate", ["--checkpoint", "C", "--tokens-file", "T", "--top-p=0"],
+     r"argument --top-p: 0 is outside \(0, 1\]"),
+    ("generate", ["--checkpoint", "C", "--tokens-file", "T", "--max-new-tokens=0"],
+     r"argument --max-new-tokens: 0 is outside \[1, inf\]"),
+    ("train", ["--config", CONFIG, "--workdir", "W", "--num-processes=0"],
+     r"argument --num-processes: 0 is outside \[1, inf\]"),
+])
+def test_number_flags_are_refused_outside_their_range(tmp_path, monkeypatch, command, argv,
+                                                      message):
+  """Every number a command takes as a flag is finite and in its range, or refused by name
+  before anything is read or written (`--shard-gb=nan` was a traceback, `=0` one file per
+  tensor, `--temperature=nan` token 0 every time)."""
+  from jmoe.generate import main as generate_main
+  monkeypatch.chdir(tmp_path)
+  mains = {"convert": convert, "prepare": prepare, "train": train,
+           "generate": lambda *a: run(generate_main, *a)}
+  refused(mains[command](*argv), message)
+  assert not list(tmp_path.iterdir())
+
+
+def test_a_lock_that_cannot_be_written_is_removed_and_named(workdir, monkeypatch):
+  """On a full disk the lock file is made but its record cannot be written: the run stops in one
+  line naming the lock, and leaves no empty lock that a later run would take for a live one."""
+  from jmoe.train import workdir as workdir_module
+  before = hashes(workdir)
+  real = os.fdopen
+
+  def full(fd, *args, **kwargs):
+    f = real(fd, *args, **kwargs)
+    f.write = lambda *_: (_ for _ in ()).throw(OSError(28, "No space left on device"))
+    return f
+
+  monkeypatch.setattr(workdir_module.os, "fdopen", full)
+  refused(again(workdir), r"could not write the lock .*run\.lock \(No space left on device\): "
+                          r"free some space there")
+  monkeypatch.setattr(workdir_module.os, "fdopen", real)
+  assert hashes(workdir) == before and not (workdir / "run.lock").exists()

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from jmoe.cli import run
+from jmoe.cli import number, run
 from jmoe.config import ConfigError, DataConfig
 from jmoe.data.sources import TOKENS_INDEX, check_holds_text, open_entry, parse_sources
 from jmoe.data.tokenizer import load_tokenizer
@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="a new (or empty) directory for the token shards")
   parser.add_argument("--tokenizer", default="", help="a tokenizer.json; default: bytes")
   parser.add_argument("--text-key", default="text", help="JSON field / Parquet column")
-  parser.add_argument("--shard-tokens", type=int, default=1 << 28,
+  parser.add_argument("--shard-tokens", type=number(int, 1), default=1 << 28,
                       help="tokens per shard file (default 2^28)")
-  parser.add_argument("--max-corpus-bytes", type=int, default=16_000_000,
+  parser.add_argument("--max-corpus-bytes", type=number(int, 1), default=16_000_000,
                       help="for --source stdlib: how much of it")
 
   def command() -> int:

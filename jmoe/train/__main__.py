@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jmoe.cli import run, split_overrides
+from jmoe.cli import number, run, split_overrides
 from jmoe.config import load_config
 from jmoe.train.loop import train
 
@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> int:
       "several processes (one per host or GPU): these flags, JMOE_COORDINATOR / "
       "JMOE_NUM_PROCESSES / JMOE_PROCESS_ID, or a SLURM or MPI launcher (jmoe/distributed.py)")
   group.add_argument("--coordinator", help="host:port of process 0")
-  group.add_argument("--num-processes", type=int)
-  group.add_argument("--process-id", type=int)
+  group.add_argument("--num-processes", type=number(int, 1))
+  group.add_argument("--process-id", type=number(int, 0))
 
   def command() -> int:
     rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
