@@ -218,3 +218,19 @@ def test_copying_stacked_gradients_changes_no_update():
   assert barriers == [0, stacked]
   for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1])):
     np.testing.assert_array_equal(a, b)
+
+
+def test_a_model_without_moe_layers_logs_only_finite_json(tmp_path):
+  """A dense model has no MoE layer to average the dropped fraction over: it logs 0, not NaN
+  (which metrics.jsonl's JSON cannot hold)."""
+  import json
+  config = tiny_config(model=dict(num_layers=2), moe=dict(first_k_dense=2),
+                       train=dict(steps=2, warmup_steps=1, log_every=1))
+  records = train(config, tmp_path / "run", progress=False)
+  assert records and records[-1]["dropped_fraction"] == 0.0
+
+  def refuse(constant):
+    raise ValueError(f"{constant} in metrics.jsonl")
+
+  for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+    json.loads(line, parse_constant=refuse)

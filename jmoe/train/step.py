@@ -66,11 +66,13 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     lm_loss = nll_sum(h_BSD, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
     aux_loss, z_loss = balance_losses(stats, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
+    # over the MoE layers; 0 without any (a mean over none would be NaN, which JSON cannot hold)
+    per_layer = lambda x_L: jnp.sum(x_L) / max(x_L.size, 1)
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
                     "expert_load": stats.load_E / num_micro,
-                    "dropped_fraction": jnp.mean(stats.dropped_fraction) / num_micro})
+                    "dropped_fraction": per_layer(stats.dropped_fraction) / num_micro})
     if rounds_possible:  # elsewhere always 0
-      metrics["overflow_rounds"] = jnp.mean(stats.overflow_rounds) / num_micro
+      metrics["overflow_rounds"] = per_layer(stats.overflow_rounds) / num_micro
     return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn

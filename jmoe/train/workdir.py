@@ -221,8 +221,13 @@ class WorkdirLock:
         return (f"{self.path.parent} is in use by {who}{own}. Wait for it to finish or give "
                 f"another --workdir; if that run is gone (it was on another machine), delete "
                 f"{self.path}")
-      with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
+      try:
+        with os.fdopen(fd, "w") as f:
+          json.dump(me, f)
+      except OSError as e:  # a full disk: the empty lock would look held by "another run"
+        self.path.unlink(missing_ok=True)
+        return (f"could not write the lock {self.path} ({e.strerror or e}): free some space "
+                f"there, or give another --workdir")
       self._held = True
       return ""
     return f"could not take the lock {self.path}"
