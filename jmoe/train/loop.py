@@ -292,7 +292,7 @@ def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
   be written: a full disk, or the workdir changed under the run."""
   return ConfigError(f"{error.filename or path} cannot be written ({error.strerror}): free or "
                      f"fix it, then run the same command again (it resumes from the latest "
-                     f"checkpoint)")
+                     f"checkpoint in {path}, or starts over where none was saved)")
 
 
 def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
