@@ -8,6 +8,7 @@ import math
 import os
 import re
 import sys
+import types
 from typing import Callable
 
 from jmoe.errors import ConfigError, Diverged, Interrupted
@@ -65,6 +66,18 @@ def number(kind: type = float, low: float | None = None, high: float | None = No
 
   parse.__name__ = kind.__name__  # argparse names the type in its messages
   return parse
+
+
+def callable_module(name: str, function: Callable[[], Callable]) -> None:
+  """Makes the command module `name` callable as `function()`, the Python API's function of the
+  same name: importing a submodule binds its name on the package, so once `jmoe.generate` (the
+  command) is imported, `jmoe.generate(...)` (the function, jmoe/api.py) must still work."""
+
+  class CommandModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+      return function()(*args, **kwargs)
+
+  sys.modules[name].__class__ = CommandModule
 
 
 def layout_parser(description: str) -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ import json
 import pathlib
 import sys
 
-from jmoe.cli import number, run
+from jmoe.cli import callable_module, number, run
 from jmoe.config import ConfigError, ParallelConfig
 
 
@@ -102,6 +102,15 @@ def _tokenizer(name: str, vocab_size: int):
     raise ConfigError(f"--tokenizer {name} has {tokenizer.vocab_size} ids, more than the "
                       f"model's vocabulary of {vocab_size}")
   return tokenizer
+
+
+
+def _api_generate():
+  from jmoe.api import generate
+  return generate
+
+
+callable_module(__name__, _api_generate)  # `jmoe.generate(...)` after `import jmoe.generate`
 
 
 if __name__ == "__main__":

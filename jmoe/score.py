@@ -18,7 +18,7 @@ import math
 import pathlib
 import sys
 
-from jmoe.cli import run
+from jmoe.cli import callable_module, run
 from jmoe.config import ConfigError, ParallelConfig
 from jmoe.outputs import check, written
 
@@ -94,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   return run(command)
+
+
+
+def _api_score():
+  from jmoe.api import score
+  return score
+
+
+callable_module(__name__, _api_score)  # `jmoe.score(...)` after `import jmoe.score`
 
 
 if __name__ == "__main__":

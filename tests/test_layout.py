@@ -60,3 +60,15 @@ def test_files_stay_short():
   long = {str(p.relative_to(JMOE)): n for p in JMOE.rglob("*.py")
           if (n := len(p.read_text().splitlines())) > 420}
   assert not long, long
+
+
+def test_the_api_functions_stay_callable_once_their_commands_are_imported(monkeypatch):
+  """`import jmoe.generate` (the command) binds the module on the package: `jmoe.generate(...)`
+  and `jmoe.score(...)` still call the Python API's functions."""
+  import importlib
+  import jmoe
+  from jmoe import api
+  for name in ("generate", "score"):
+    importlib.import_module(f"jmoe.{name}")
+    monkeypatch.setattr(api, name, lambda *args, **kwargs: (args, kwargs))
+    assert getattr(jmoe, name)(1, x=2) == ((1,), {"x": 2})
