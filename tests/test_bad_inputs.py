@@ -180,7 +180,7 @@ def data_case(tmp_path, name):
         "is not UTF-8 text"
   if name == "a JSONL line without the text field":
     return str(write(tmp_path / "k.jsonl", json.dumps({"body": "x " * 50}) + "\n")), \
-        "has no text field 'text' \\(set data.text_key\\)"
+        "has no text field 'text' \\(set data.text_key, or prepare's --text-key\\)"
   if name == "random bytes as Parquet":
     return str(write(tmp_path / "r.parquet", RANDOM)), "r.parquet is not a readable Parquet file"
   if name == "an empty file":

@@ -206,7 +206,10 @@ def test_bad_inputs_name_the_file_and_the_problem(tmp_path):
   cases.append((f"{tmp_path / 'bare'}", r"bare contains no"))
   (tmp_path / "x.jsonl").write_text('{"content": "hi"}\n')
   cases.append((f"{tmp_path / 'x.jsonl'}", r"x.jsonl: the line at byte 0 has no text field "
-                                           r"'text' \(set data.text_key\)"))
+                                           r"'text' \(set data.text_key, or prepare's --text-key\)"))
+  (tmp_path / "n.jsonl").write_text('{"text": 123}\n')
+  cases.append((f"{tmp_path / 'n.jsonl'}", r"n.jsonl: the line at byte 0 holds int '123' in its "
+                                           r"text field 'text', not a string"))
   cases.append((f"{tmp_path / 'bare'}@zero", r"the weight after @ must be a number"))
   for source, message in cases:
     with pytest.raises(ConfigError, match=message):

@@ -64,11 +64,17 @@ class JsonlTexts:
     except ValueError as e:
       raise ConfigError(f"{path}: the line at byte {start} is not JSON ({e}); a JSONL source "
                         f"holds one JSON object per line") from None
-    if not isinstance(record, dict) or not isinstance(record.get(self.key), self.value_type):
+    key = f"{'text' if self.value_type is str else 'chat'}_key"
+    if not isinstance(record, dict) or self.key not in record:
       raise ConfigError(f"{path}: the line at byte {start} has no {self.value_name} "
-                        f"{self.key!r} (set data.{'text' if self.value_type is str else 'chat'}"
-                        f"_key)")
-    return record[self.key]
+                        f"{self.key!r} (set data.{key}, or prepare's --{key.replace('_', '-')})")
+    value = record[self.key]
+    if not isinstance(value, self.value_type):
+      wanted = "a string" if self.value_type is str else "a list of messages"
+      raise ConfigError(f"{path}: the line at byte {start} holds {type(value).__name__} "
+                        f"{str(value)[:40]!r} in its {self.value_name} {self.key!r}, not "
+                        f"{wanted}; fix that line or drop it")
+    return value
 
   def where(self, index: int) -> str:
     number, start = self._offsets[index]
