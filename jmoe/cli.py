@@ -85,7 +85,7 @@ def layout_parser(description: str) -> argparse.ArgumentParser:
   renting them: `--config` and `--devices` (with `devices_for`); the command adds its own."""
   parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--config", required=True)
-  parser.add_argument("--devices", type=number(int, 1),
+  parser.add_argument("--devices", type=int,
                       help="for this many devices: the first N at hand, or N simulated "
                            "(default: all at hand)")
   return parser
