@@ -1,8 +1,8 @@
 """Training-step speed: one JSON line per run, for docs/PERFORMANCE.md and docs/perf/records.jsonl.
 
   python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
-      [--balanced] [--packed] [--profile DIR] [--peer] [--record FILE] [--no-xla-flags]
-      [--config.group.key=value ...]
+      [--balanced] [--packed] [--profile DIR] [--peer] [--loop STEPS] [--record FILE]
+      [--no-xla-flags] [--config.group.key=value ...]
 
 Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
 published MoE benchmarks use, or with `--packed` on rows the data pipeline packs from several
@@ -14,7 +14,11 @@ and the peak device memory. `--balanced` forces every expert to the same load
 (moe.router.force_balanced), as NeMo AutoModel's published figures do. `--profile DIR` traces 3
 more steps and adds the device time per kernel kind. `--peer` then runs the transformers step on
 the same config (scripts/hf_peer.py, a separate process, so each gets the GPU alone) and adds its
-figures and the ratio; `--record FILE` appends the result to FILE as one JSON line.
+figures and the ratio. `--loop STEPS` then runs the training command's own loop (jmoe.train's
+`Trainer`: the data pipeline, metrics, health checks and checkpoints as the config sets them) for
+STEPS steps in a temporary workdir and adds its tokens/s, counted over the whole run (saves and the
+last save's wait included), beside the bare step's. `--record FILE` appends the result to FILE as
+one JSON line.
 """
 
 from __future__ import annotations
@@ -78,6 +82,35 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
           "top_kernels": [[n[:90], round(us / total, 4), sources.get(n.replace(".", "_"), "")]
                           for n, us in by_name.most_common(40)]}
+
+
+def loop_figures(config, steps: int, warmup: int) -> dict:
+  """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
+  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save."""
+  import dataclasses
+  import tempfile
+  import jax
+  from jmoe.train.loop import Trainer
+  config = dataclasses.replace(config, train=dataclasses.replace(
+      config.train, steps=max(config.train.steps, warmup + steps)))
+  with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
+    with Trainer(config, workdir, progress=False) as trainer:
+      trainer.train(warmup)
+      jax.block_until_ready(trainer.state)
+      t0 = time.perf_counter()
+      records = trainer.train(steps)
+      trainer.save()  # the run's last checkpoint, as the command ends with
+      trainer.checkpointer.wait()
+      jax.block_until_ready(trainer.state)
+      seconds = time.perf_counter() - t0
+      saves = len(trainer.checkpointer.all_steps())
+  tokens = config.train.batch_size * config.data.seq_len * steps
+  intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
+  return {"loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
+          "loop_checkpoints": saves, "loop_step_ms": round(seconds / steps * 1e3, 2),
+          "loop_tokens_per_s": round(tokens / seconds),
+          "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
+          if intervals else None}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
@@ -182,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="rows packed from several documents by the data pipeline")
   parser.add_argument("--peer", action="store_true",
                       help="then time the transformers step on the same config (hf_peer.py)")
+  parser.add_argument("--loop", type=int, metavar="STEPS",
+                      help="then time STEPS steps of jmoe.train's own loop on the same config")
   parser.add_argument("--record", metavar="FILE", help="append the result as a JSON line")
   parser.add_argument("--hlo", metavar="FILE",
                       help="also write the compiled step's program (XLA's HLO text) to FILE")
@@ -284,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
         "compile_s": round(compile_s, 1)}
     if breakdown is not None:
       record["profile"] = breakdown
+    if args.loop:
+      for x in jax.tree.leaves(state):  # the loop builds a state of its own
+        x.delete()
+      record.update(loop_figures(config, args.loop, args.warmup))
+      record["loop_vs_step"] = round(record["loop_tokens_per_s"] / (tokens_per_s * devices), 3)
     print(json.dumps(record), flush=True)
     if args.record:
       append_record(args.record, record)

@@ -50,7 +50,7 @@ def test_benchmark_prints_its_figures(tmp_path):
   result = subprocess.run(
       [sys.executable, "scripts/benchmark.py", "--config", "configs/tiny_moe.py", "--steps", "2",
        "--warmup", "1", "--balanced", "--config.train.batch_size=4", "--config.data.seq_len=32",
-       "--config.model.num_layers=2"],
+       "--config.model.num_layers=2", "--loop", "3", "--config.checkpoint.every=2"],
       cwd=ROOT, capture_output=True, text=True, timeout=240,
       env=command_env())
   assert result.returncode == 0, result.stderr[-3000:]
@@ -58,6 +58,9 @@ def test_benchmark_prints_its_figures(tmp_path):
   assert record["routing"] == "balanced" and record["expert_load_max_over_mean"] == 1.0
   assert record["gemm"] == "ragged_dot" and record["tokens_per_s_per_device"] > 0
   assert 0 < record["mfu_measured_gemm"] and record["tflops_per_device"] > 0
+  # jmoe.train's loop after 3 warm-up steps: a checkpoint at step 4 and the last at step 6
+  assert record["loop_steps"] == 3 and record["loop_checkpoints"] == 2
+  assert record["loop_tokens_per_s"] > 0 and record["loop_vs_step"] > 0
 
 
 def test_conversion_memory_measures_both_commands(tmp_path):
