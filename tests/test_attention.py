@@ -50,6 +50,24 @@ def test_attention_equals_the_plain_softmax(sinks, window, packed):
   compare(ours, ref, (q, k, v, sink_H), dout)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_blockwise_kernel_equals_the_plain_softmax(window):
+  """The branch cuDNN's packed form falls back to (rows of more documents than it takes): XLA's
+  kernel a block of queries at a time, the keys' gradients summed over the blocks."""
+  q, k, v, _, dout = inputs()
+  forward = functools.partial(attention_kernels.blockwise_forward, segment_ids_BS=SEGMENTS,
+                              scale=0.3, window=window, block=8)
+  backward = functools.partial(attention_kernels.blockwise_backward, segment_ids_BS=SEGMENTS,
+                               scale=0.3, window=window, block=8)
+  mask = lambda o: o * (SEGMENTS > 0)[:, :, None, None]
+  out, lse = forward(q, k, v)
+  want, vjp = jax.vjp(lambda q, k, v: mask(plain(q, k, v, None, scale=0.3, window=window,
+                                                 segments_BS=SEGMENTS)), q, k, v)
+  np.testing.assert_allclose(mask(out), want, rtol=2e-5, atol=2e-5)
+  for got, ref in zip(backward(q, k, v, out, lse, mask(dout)), vjp(mask(dout))):
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5)
+
+
 def test_value_heads_may_be_narrower_than_query_heads():
   """Multi-head latent attention: queries and keys of 12 dims, values of 8, no padding."""
   q, k, v, _, dout = inputs(a=12, w=8)

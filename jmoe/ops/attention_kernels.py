@@ -19,7 +19,8 @@ differ from the query/key head dim A (multi-head latent attention).
   cudnn  cuDNN's flash kernels through JAX's own binding (its forward with the statistics, its
          backward primitive fed jmoe's); packed documents as cuDNN's packed-sequence form (each
          document's offset and length, whole blocks across documents skipped), with more than
-         MAX_SEGMENTS documents in a row taking XLA's kernel in a branch
+         MAX_SEGMENTS documents in a row taking XLA's kernel in a branch, a block of
+         FALLBACK_BLOCK queries at a time
   xla    einsums over the [S, T] scores with the pattern as a mask; any platform, the reference
 """
 
@@ -33,6 +34,9 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 MAX_SEGMENTS = 64  # documents per row that cuDNN's packed form takes here
+# Queries per block of the branch that takes rows of more documents: the branch's buffers are
+# held whether it runs or not, and [S, S] scores per head would be most of a packed step's memory.
+FALLBACK_BLOCK = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +49,19 @@ class AttentionKernel:
 
 # --- XLA: the scores as an [S, T] array per head ---
 
-def visible(seq: int, window: int, segment_ids_BS: jax.Array | None) -> jax.Array:
-  """[B or 1, 1, 1, S, T]: which keys each query sees (broadcast over key and query heads)."""
-  s_S1, t_1T = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+def visible(seq: int, window: int, segment_ids_BS: jax.Array | None, start=0,
+            queries: int | None = None) -> jax.Array:
+  """[B or 1, 1, 1, Q, T]: which keys each query sees (broadcast over key and query heads), for
+  the Q = `queries` (default: all) queries from position `start` on."""
+  queries = seq if queries is None else queries
+  s_S1, t_1T = start + jnp.arange(queries)[:, None], jnp.arange(seq)[None, :]
   allowed_ST = t_1T <= s_S1
   if window:
     allowed_ST &= s_S1 - t_1T < window
   allowed_BST = allowed_ST[None]
   if segment_ids_BS is not None:
-    allowed_BST = allowed_BST & (segment_ids_BS[:, :, None] == segment_ids_BS[:, None, :])
+    ids_BS = jax.lax.dynamic_slice_in_dim(segment_ids_BS, start, queries, axis=1)
+    allowed_BST = allowed_BST & (ids_BS[:, :, None] == segment_ids_BS[:, None, :])
   return allowed_BST[:, None, None]
 
 
@@ -73,10 +81,11 @@ def _logits(q_BGRSA, k_BGTA, scale):
   return jnp.einsum("bgrsa,bgta->bgrst", q_BGRSA, k_BGTA, preferred_element_type=F32) * scale
 
 
-def xla_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
+def xla_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window, start=0):
+  """Attention of the queries q_BSHA, the S from position `start` on, over every key."""
   b, s, h, _ = q_BSHA.shape
   g = k_BTGA.shape[2]
-  allowed = visible(s, window, segment_ids_BS)
+  allowed = visible(k_BTGA.shape[1], window, segment_ids_BS, start, s)
   logits = _logits(_heads_major(q_BSHA, g), k_BTGA.transpose(0, 2, 1, 3), scale)
   logits = jnp.where(allowed, logits, -jnp.inf)
   lse_BGRS = jax.nn.logsumexp(logits, axis=-1)
@@ -87,14 +96,16 @@ def xla_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
 
 
 def xla_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None, *,
-                 scale, window):
+                 scale, window, start=0, accumulate=False):
+  """The gradients of `xla_forward`'s output (queries from `start` on); `accumulate`: dk and dv
+  in float32, as partial sums over query blocks."""
   b, s, h, _ = q_BSHA.shape
   g = k_BTGA.shape[2]
   q_BGRSA = _heads_major(q_BSHA, g)
   k_BGTA, v_BGTW = k_BTGA.transpose(0, 2, 1, 3), v_BTGW.transpose(0, 2, 1, 3)
   dout_BGRSW = _heads_major(dout_BSHW, g)
-  logits = jnp.where(visible(s, window, segment_ids_BS), _logits(q_BGRSA, k_BGTA, scale),
-                     -jnp.inf)
+  allowed = visible(k_BTGA.shape[1], window, segment_ids_BS, start, s)
+  logits = jnp.where(allowed, _logits(q_BGRSA, k_BGTA, scale), -jnp.inf)
   p = jnp.exp(logits - lse_BHS.reshape(b, g, h // g, s)[..., None])
   d_BGRS = jnp.einsum("bgrsw,bgrsw->bgrs", dout_BGRSW, _heads_major(out_BSHW, g),
                       preferred_element_type=F32)
@@ -103,9 +114,55 @@ def xla_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_i
   ds = p * (dp - d_BGRS[..., None]) * scale
   dq_BGRSA = jnp.einsum("bgrst,bgta->bgrsa", ds, k_BGTA, preferred_element_type=F32)
   dk_BGTA = jnp.einsum("bgrst,bgrsa->bgta", ds, q_BGRSA, preferred_element_type=F32)
-  return (_tokens_major(dq_BGRSA).astype(q_BSHA.dtype),
-          dk_BGTA.transpose(0, 2, 1, 3).astype(k_BTGA.dtype),
-          dv_BGTW.transpose(0, 2, 1, 3).astype(v_BTGW.dtype))
+  dk_BTGA, dv_BTGW = dk_BGTA.transpose(0, 2, 1, 3), dv_BGTW.transpose(0, 2, 1, 3)
+  if not accumulate:
+    dk_BTGA, dv_BTGW = dk_BTGA.astype(k_BTGA.dtype), dv_BTGW.astype(v_BTGW.dtype)
+  return _tokens_major(dq_BGRSA).astype(q_BSHA.dtype), dk_BTGA, dv_BTGW
+
+
+def _query_blocks(block, x_BS__):
+  """[B, S, ...] -> [S / block, B, block, ...]."""
+  return x_BS__.reshape(x_BS__.shape[0], -1, block, *x_BS__.shape[2:]).swapaxes(0, 1)
+
+
+def blockwise_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window, block):
+  """`xla_forward` a block of `block` queries at a time: the scores held are [block, T] per head
+  instead of [S, T]."""
+  s = q_BSHA.shape[1]
+  if s % block or s == block:
+    return xla_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, scale=scale, window=window)
+  q_NBCHA = _query_blocks(block, q_BSHA)
+
+  def one(n, q_BCHA):
+    return xla_forward(q_BCHA, k_BTGA, v_BTGW, segment_ids_BS, scale=scale, window=window,
+                       start=n * block)
+  out_NBCHW, lse_NBHC = jax.lax.map(lambda a: one(*a), (jnp.arange(s // block), q_NBCHA))
+  out_BSHW = out_NBCHW.swapaxes(0, 1).reshape(q_BSHA.shape[:3] + out_NBCHW.shape[-1:])
+  lse_BHS = lse_NBHC.transpose(1, 2, 0, 3).reshape(lse_NBHC.shape[1], lse_NBHC.shape[2], s)
+  return out_BSHW, lse_BHS
+
+
+def blockwise_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None,
+                       *, scale, window, block):
+  """`xla_backward` a block of `block` queries at a time, dk and dv summed over the blocks."""
+  s = q_BSHA.shape[1]
+  if s % block or s == block:
+    return xla_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS,
+                        scale=scale, window=window)
+  b, h = lse_BHS.shape[:2]
+  lse_NBHC = lse_BHS.reshape(b, h, -1, block).transpose(2, 0, 1, 3)
+  blocks = (_query_blocks(block, q_BSHA), _query_blocks(block, out_BSHW), lse_NBHC,
+            _query_blocks(block, dout_BSHW))
+
+  def one(sums, a):
+    n, q, out, lse, dout = a
+    dq, dk, dv = xla_backward(q, k_BTGA, v_BTGW, out, lse, dout, segment_ids_BS, scale=scale,
+                              window=window, start=n * block, accumulate=True)
+    return (sums[0] + dk, sums[1] + dv), dq
+  zeros = (jnp.zeros(k_BTGA.shape, F32), jnp.zeros(v_BTGW.shape, F32))
+  (dk, dv), dq_NBCHA = jax.lax.scan(one, zeros, (jnp.arange(s // block), *blocks))
+  return (dq_NBCHA.swapaxes(0, 1).reshape(q_BSHA.shape), dk.astype(k_BTGA.dtype),
+          dv.astype(v_BTGW.dtype))
 
 
 XLA = AttentionKernel(xla_forward, xla_backward)
@@ -209,7 +266,8 @@ def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window
 
   if packed is None:
     return fused(q_BSHA, k_BTGA, v_BTGW)
-  unpacked = lambda q, k, v: xla_forward(q, k, v, segment_ids_BS, scale=scale, window=window)
+  unpacked = lambda q, k, v: blockwise_forward(q, k, v, segment_ids_BS, scale=scale,
+                                               window=window, block=FALLBACK_BLOCK)
   return jax.lax.cond(_packed_fits(packed), fused, unpacked,
                       q_BSHA, k_BTGA, v_BTGW)
 
@@ -243,7 +301,8 @@ def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segmen
   args = (q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW)
   if packed is None:
     return fused(*args)
-  unpacked = lambda *a: xla_backward(*a, segment_ids_BS, scale=scale, window=window)
+  unpacked = lambda *a: blockwise_backward(*a, segment_ids_BS, scale=scale, window=window,
+                                           block=FALLBACK_BLOCK)
   return jax.lax.cond(_packed_fits(packed), fused, unpacked, *args)
 
 
