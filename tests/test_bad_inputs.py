@@ -255,9 +255,11 @@ def again(workdir, *overrides):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--config.model.d_model=48", "was saved by a different model or optimizer"),
-    ("--config.model.vocab_size=300", "was saved by a different model or optimizer"),
-    ("--config.moe.num_experts=16", "was saved by a different model or optimizer"),
+    ("--config.model.d_model=48", "was saved with model.d_model 32, but this config has 48"),
+    ("--config.model.vocab_size=300", "with model.vocab_size 264, but this config has 300"),
+    ("--config.moe.num_experts=16", "was saved with moe.num_experts 8, but this config has 16"),
+    ("--config.precision.moments=bfloat16", "was saved by a different model or optimizer: "
+                                            ".* is float32.* there but bfloat16"),
 ])
 def test_a_refused_resume_leaves_the_workdir_as_it_was(workdir, override, message):
   before = hashes(workdir)
@@ -1855,3 +1857,106 @@ def test_a_lock_that_cannot_be_written_is_removed_and_named(workdir, monkeypatch
                           r"free some space there")
   monkeypatch.setattr(workdir_module.os, "fdopen", real)
   assert hashes(workdir) == before and not (workdir / "run.lock").exists()
+
+
+# ---- resuming under other model settings ----
+
+MODEL_SAVED = r"the checkpoint of step 2 in .*run was saved with "
+KEEP_MODEL = (r": its weights would compute something else. Set it back to resume, or train on "
+              r"from its model with the new value in a new --workdir "
+              r"\(--config.checkpoint.load_params=.*run\)")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("moe.top_k=4", "moe.top_k 2, but this config has 4"),
+    ("moe.router.score=sigmoid", "moe.router.score 'softmax', but this config has 'sigmoid'"),
+    ("moe.router.norm_topk_prob=false", "moe.router.norm_topk_prob True, but this config has "
+                                        "False"),
+    ("moe.router.force_balanced=true", "moe.router.force_balanced False, but this config has True"),
+    ("model.rope_theta=500000.0", "model.rope_theta 10000.0, but this config has 500000.0"),
+    ("model.norm_eps=1e-5", "model.norm_eps 1e-06, but this config has 1e-05"),
+    ("moe.capacity_factor=1.25", "moe.capacity_factor None, but this config has 1.25"),
+    ("moe.drop_policy=position", "moe.drop_policy 'probability', but this config has 'position'"),
+    ("moe.activation=clamped_swiglu", "moe.activation 'swiglu', but this config has "
+                                      "'clamped_swiglu'"),
+    ("model.sliding_window=16", "model.sliding_window 0, but this config has 16"),
+    ("model.yarn.factor=4.0", "model.yarn.factor 1.0, but this config has 4.0"),
+    ("moe.router.scaling_factor=2.5", "moe.router.scaling_factor 1.0, but this config has 2.5"),
+])
+def test_resuming_under_other_model_settings_is_refused_by_name(workdir, override, message):
+  """A model setting whose change leaves every array's shape as it was would make the saved
+  weights compute something else: refused by name before the arrays are read or anything is
+  compiled or written."""
+  before = tree(workdir)
+  result = again(workdir, "--config.train.steps=3", f"--config.{override}")
+  refused(result, MODEL_SAVED + message.replace("(", r"\(").replace(")", r"\)") + KEEP_MODEL)
+  assert "compiled the train step" not in result.err and "resuming from" not in result.err
+  assert tree(workdir) == before
+
+
+def test_resuming_under_several_other_model_settings_names_each(workdir):
+  before = tree(workdir)
+  refused(again(workdir, "--config.moe.top_k=4", "--config.model.rope_theta=500000.0",
+                "--config.model.d_model=48"),
+          MODEL_SAVED + r"other settings than this config's: model.d_model 32 \(now 48\), "
+          r"model.rope_theta 10000.0 \(now 500000.0\), moe.top_k 2 \(now 4\): its weights would "
+          r"compute something else. Set them back to resume, or train on from its model with the "
+          r"new values in a new --workdir")
+  assert tree(workdir) == before
+
+
+def test_a_lora_run_resumed_under_another_adapter_setting_is_refused(lora_run, tmp_path):
+  import shutil
+  run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
+  before = tree(run)
+  result = train("--config", CONFIG, "--workdir", str(run), *TINY, "--config.lora.rank=4",
+                 "--config.lora.alpha=16.0", f"--config.checkpoint.load_params={lora_run / 'base'}",
+                 "--config.train.steps=3")
+  refused(result, MODEL_SAVED + r"lora.alpha 8.0, but this config has 16.0" + KEEP_MODEL)
+  assert tree(run) == before
+
+
+def test_a_model_setting_is_checked_before_the_arrays_are_read(workdir):
+  """The settings are read from the checkpoint's record first: arrays that cannot be read do
+  not hide the setting, and nothing is moved aside."""
+  for f in (workdir / "checkpoints" / "2" / "state").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(b"\0" * 64)
+  before = tree(workdir)
+  refused(again(workdir, "--config.train.steps=3", "--config.moe.top_k=4"),
+          MODEL_SAVED + "moe.top_k 2, but this config has 4")
+  assert tree(workdir) == before
+
+
+def test_a_checkpoint_without_its_model_settings_resumes_with_a_warning(workdir):
+  """A checkpoint saved before its model settings were recorded: resumed as if they were this
+  config's, with a warning that names where the workdir's config.json differs."""
+  import re
+  import shutil
+  shutil.rmtree(workdir / "checkpoints" / "2" / "run")
+  before = tree(workdir)
+  result = again(workdir, "--config.moe.top_k=4", "--config.train.batch_size=16")
+  refused(result, r"was saved with train.batch_size 8, but this config has 16")  # (data: after)
+  assert re.search(r"the checkpoint of step 2 in .*run does not record the model settings it "
+                   r"was trained with \(an earlier jmoe saved it\): resuming as if they were this "
+                   r"config's \(its config.json has moe.top_k 2 \(now 4\)\)", result.err)
+  assert tree(workdir) == before
+
+
+def test_settings_that_change_no_model_math_still_resume(workdir):
+  """Kernels, remat, layout, balancing and run length may change on resume: the run goes on,
+  and config.json records the new settings."""
+  result = again(workdir, "--config.train.steps=3", "--config.moe.gemm=dense",
+                 "--config.train.remat=full", "--config.model.scan_unroll=2",
+                 "--config.moe.dispatcher=alltoall", "--config.parallel.expert.expert=4",
+                 "--config.parallel.expert.data=2", "--config.model.attention_kernel=xla",
+                 "--config.moe.balance.aux_loss_coef=0.02", "--config.train.lr=1e-3",
+                 "--config.checkpoint.every=1")
+  assert result.code == 0, result.err[-2000:]
+  metrics = (workdir / "metrics.jsonl").read_text().splitlines()
+  assert [json.loads(line)["step"] for line in metrics][-1] == 3
+  saved = json.loads((workdir / "config.json").read_text())
+  assert (saved["moe"]["gemm"], saved["train"]["remat"], saved["parallel"]["expert"]["expert"]) \
+      == ("dense", "full", 4)
+  record = json.loads((workdir / "checkpoints" / "3" / "run" / "metadata").read_text())
+  assert record["settings"]["moe.top_k"] == 2 and "moe.gemm" not in record["settings"]

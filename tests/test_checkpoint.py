@@ -111,12 +111,18 @@ def test_resume_on_another_layout_and_device_count(reference, tmp_path, layout):
 
 
 def test_resuming_with_another_model_is_refused(reference, tmp_path):
+  """By the setting that differs from the one the checkpoint records; a checkpoint that records
+  none (an earlier jmoe saved it) by its first array of another shape."""
   workdir = stopped_at_3(reference, tmp_path)
+  with pytest.raises(ConfigError, match=r"the checkpoint of step 3 in .* was saved with "
+                                        r"moe.d_ff_expert 16, but this config has 24"):
+    train(config_for("fsdp8_ep8", "moe.d_ff_expert=24"), workdir, progress=False)
+  shutil.rmtree(workdir / "checkpoints" / "3" / "run")
   with pytest.raises(ConfigError, match=r"saved by a different model or optimizer: .*"
                                         r"moe_blocks/mlp/w_in_ED2F.* is float32\[2, 8, 32, 2, 16\] "
                                         r"there but float32\[2, 8, 32, 2, 24\]"):
     train(config_for("fsdp8_ep8", "moe.d_ff_expert=24"), workdir, progress=False)
-  assert (workdir / "checkpoints" / "3").is_dir()  # nothing moved aside or lost
+  assert (workdir / "checkpoints" / "3" / "state").is_dir()  # nothing moved aside or lost
 
 
 def test_load_params_starts_fresh_from_another_runs_model(reference, tmp_path):

@@ -1,10 +1,10 @@
 """Saves and restores training checkpoints under `<workdir>/checkpoints` with Orbax.
 
-Each step's checkpoint holds two items, and a third for some runs:
+Each step's checkpoint holds three items:
     state/   the train state (step, parameters, optimizer state, router biases)
     data/    the input pipeline's position, as JSON
-    run/     what a resume must find unchanged that the state does not hold (LoRA: the model
-             under the adapters), as JSON
+    run/     what a resume must find unchanged that the state does not hold (the model settings,
+             and with LoRA the model under the adapters), as JSON
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
 save (or `wait`) waits for the write to finish. A step's directory appears only when its write is
 complete, so a save cut short leaves no half-written step behind. A save that fails, in the
@@ -29,7 +29,7 @@ import pathlib
 import shutil
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
@@ -273,11 +273,13 @@ class Checkpointer:
     """Where unreadable checkpoints are moved."""
     return self.directory.parent / "corrupt_checkpoints"
 
-  def restore_latest(self, abstract_state: Any, shardings: Any
+  def restore_latest(self, abstract_state: Any, shardings: Any,
+                     check: Callable[[int], None] | None = None
                      ) -> tuple[int, Any, dict[str, Any]] | None:
     """The newest readable checkpoint as (step, state, data position), or None when the
     workdir never had one. Unreadable ones are reported and passed over (listed in
-    `unreadable`; nothing is moved here); a checkpoint of another model (different shapes) is an
+    `unreadable`; nothing is moved here); a checkpoint of another model (different shapes, or
+    one that `check(step)`, run before its arrays are read, refuses with a ConfigError) is an
     error, since no older one would fit either. When none can be read (now, or when an earlier
     run moved them aside) that is an error too: a run never starts over silently where one had
     progress."""
@@ -285,6 +287,8 @@ class Checkpointer:
     self.unreadable = []
     for step in reversed(steps):
       try:
+        if check is not None:
+          check(step)
         state, data = self.restore(step, abstract_state, shardings)
       except ConfigError:
         raise

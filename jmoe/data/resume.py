@@ -3,9 +3,9 @@
 The position saved with a checkpoint (each batch row's Grain stream state) counts documents of
 one document order and tokens of one packing: it means the same thing only for the same
 documents, order, tokenizer and rows. `data_settings` records what it depends on, saved beside
-it; `resume_refusal` compares that record with the resuming run's. A difference that changes
-which tokens come next is refused by name; the same files found under another path are resumed,
-with a notice.
+it; `resume_refusal` compares that record with the resuming run's, as the model settings are
+compared (jmoe/config/resume.py). A difference that changes which tokens come next is refused
+by name; the same files found under another path are resumed, with a notice.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import pathlib
 
 from jmoe.config import Config
+from jmoe.config.resume import changed, saved_with
 
 log = logging.getLogger("jmoe")
 
@@ -60,11 +61,10 @@ def resume_refusal(saved: dict | None, now: dict, step: int, workdir: pathlib.Pa
   if saved["source"] != now["source"] and not same_files:
     return (f"{checkpoint} was saved reading data.source {saved['source']!r}, but this config "
             f"reads {now['source']!r}: {what_to_do}")
-  for name in [*saved["fields"], *(k for k in now["fields"] if k not in saved["fields"])]:
-    old, new = saved["fields"].get(name), now["fields"].get(name)
-    if old != new:
-      return (f"{checkpoint} was saved with {name} {_shown(name, old)}, but this config has "
-              f"{_shown(name, new)}: {what_to_do}")
+  names = changed(saved["fields"], now["fields"])
+  if names:  # the first: the ones after it may follow from it (train.seed only with data.shuffle)
+    return (f"{saved_with(checkpoint, names[:1], saved['fields'], now['fields'], _shown)}: "
+            f"{what_to_do}")
   if not same_files:
     for name, old, new in zip(now["names"], saved["entries"], now["entries"]):
       if old != new:

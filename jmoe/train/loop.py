@@ -18,6 +18,7 @@ from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.hf_files import copy_tokenizer_files
 from jmoe.checkpoint.params import fingerprint, read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
+from jmoe.config.resume import changed, model_settings, recorded, saved_with
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
@@ -313,8 +314,9 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
   """(step, train state, input position or None): the workdir's latest readable checkpoint;
   else fresh optimizer state on `checkpoint.load_params`' model, or on a new random model.
   With LoRA, the frozen model comes from load_params in both cases, new adapters start at zero."""
+  check = lambda step: check_settings(config, checkpointer, step)  # before the arrays are read
   latest = checkpointer.restore_latest(saved_part(config, spec.abstract),
-                                       saved_part(config, spec.shardings))
+                                       saved_part(config, spec.shardings), check)
   if latest is not None:
     step, state, data = latest
     log.info("resuming from %s at step %d", checkpointer.directory / str(step), step)
@@ -339,20 +341,57 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
   return 0, spec.init(), None
 
 
-def run_record(config: Config, state: TrainState) -> dict | None:
-  """What the run's checkpoints record for a resume to check: with LoRA, the frozen model under
-  the adapters (where it was read from, and a fingerprint of its values)."""
-  if not config.lora.rank:
-    return None
-  base = nnx.split_state(state.rest, frozen(config), ...)[0]
-  return {"lora_base": {"path": str(pathlib.Path(config.checkpoint.load_params).absolute()),
-                        "fingerprint": fingerprint(base)}}
+def run_record(config: Config, state: TrainState) -> dict:
+  """What the run's checkpoints record for a resume to check: the model settings its weights are
+  trained with; with LoRA, the frozen model under the adapters (where it was read from, and a
+  fingerprint of its values)."""
+  record = {"settings": model_settings(config)}
+  if config.lora.rank:
+    base = nnx.split_state(state.rest, frozen(config), ...)[0]
+    record["lora_base"] = {"path": str(pathlib.Path(config.checkpoint.load_params).absolute()),
+                           "fingerprint": fingerprint(base)}
+  return record
 
 
-def check_record(checkpointer: Checkpointer, step: int, record: dict | None) -> None:
+def check_settings(config: Config, checkpointer: Checkpointer, step: int) -> None:
+  """Refuses to resume the checkpoint of `step` under other model settings than its weights were
+  trained with (those RESUMABLE allows aside: jmoe/config/resume.py); run before its arrays are
+  read, so that a change of shape is named by its setting too."""
+  workdir = checkpointer.directory.parent
+  where = f"the checkpoint of step {step} in {workdir}"
+  now = model_settings(config)
+  saved = (checkpointer.run_record(step) or {}).get("settings")
+  if saved is None:
+    log.warning("%s does not record the model settings it was trained with (an earlier jmoe "
+                "saved it): resuming as if they were this config's%s", where,
+                _differs_from_config_json(workdir, now))
+    return
+  saved = recorded(saved, now)
+  names = changed(saved, now)
+  if names:
+    raise ConfigError(
+        f"{saved_with(where, names, saved, now)}: its weights would compute something else. "
+        f"Set {'it' if len(names) == 1 else 'them'} back to resume, or train on from its model "
+        f"with the new {'value' if len(names) == 1 else 'values'} in a new --workdir "
+        f"(--config.checkpoint.load_params={workdir})")
+
+
+def _differs_from_config_json(workdir: pathlib.Path, now: dict) -> str:
+  """Where the workdir's config.json (the last start's config) differs from `now`, said in a
+  few words; "" where it does not, or cannot be read."""
+  try:
+    saved = recorded(model_settings(json.loads((workdir / "config.json").read_text())), now)
+  except (OSError, ValueError, AttributeError):
+    return ""
+  names = changed(saved, now)
+  each = ", ".join(f"{name} {saved[name]!r} (now {now[name]!r})" for name in names[:4])
+  return f" (its config.json has {each})" if names else ""
+
+
+def check_record(checkpointer: Checkpointer, step: int, record: dict) -> None:
   """Refuses to resume the checkpoint of `step` on what differs from what it records: LoRA
   adapters on another frozen model than the one they were trained on."""
-  now = (record or {}).get("lora_base")
+  now = record.get("lora_base")
   if now is None:
     return
   saved = (checkpointer.run_record(step) or {}).get("lora_base")
