@@ -1518,17 +1518,17 @@ LORA = ["--config.lora.rank=4", "--config.lora.alpha=8.0"]
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> pathlib.Path:
-  """Two models of the tiny config (`base`, `other`: other random weights), and `run`: LoRA
-  adapters trained 2 steps on `base`."""
+  """Two models of the tiny Qwen3-MoE config (exportable; `base`, `other`: other random
+  weights), and `run`: LoRA adapters trained 2 steps on `base`."""
   from flax import nnx
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from helpers import build
   root = tmp_path_factory.mktemp("lora")
-  config = load_config(CONFIG, [o.removeprefix("--config.") for o in TINY])
+  config = load_config(QWEN, [o.removeprefix("--config.") for o in TINY])
   for name, seed in (("base", 0), ("other", 1)):
     save_model(root / name, nnx.state(build(config, seed)), config)
-  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY, *LORA,
+  result = train("--config", QWEN, "--workdir", str(root / "run"), *TINY, *LORA,
                  f"--config.checkpoint.load_params={root / 'base'}")
   assert result.code == 0, result.err[-2000:]
   return root
@@ -1540,7 +1540,7 @@ def test_lora_adapters_resume_only_on_the_model_they_were_trained_on(lora_run, t
   refuses other weights at its base's path too."""
   import shutil
   run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
-  resume = lambda base, *more: train("--config", CONFIG, "--workdir", str(run), *TINY, *LORA,
+  resume = lambda base, *more: train("--config", QWEN, "--workdir", str(run), *TINY, *LORA,
                                      f"--config.checkpoint.load_params={base}", *more)
   message = (r"the LoRA adapters in .*checkpoints/2 were trained on the model in .*/base "
              r"\(fingerprint \w+\), but checkpoint.load_params, .*/{}, holds other weights")
@@ -1855,3 +1855,53 @@ def test_a_lock_that_cannot_be_written_is_removed_and_named(workdir, monkeypatch
                           r"free some space there")
   monkeypatch.setattr(workdir_module.os, "fdopen", real)
   assert hashes(workdir) == before and not (workdir / "run.lock").exists()
+
+
+# ---- LoRA workdirs read as models: their frozen model checked, their adapters folded in ----
+
+def lora_copy(lora_run: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+  """A copy of the LoRA run whose frozen model is a copy of its own, tmp_path / "base" (the
+  same weights: its fingerprint holds), which a test may change."""
+  import shutil
+  shutil.copytree(lora_run / "base", tmp_path / "base")
+  run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
+  saved = json.loads((run / "config.json").read_text())
+  saved["checkpoint"]["load_params"] = str(tmp_path / "base")
+  (run / "config.json").write_text(json.dumps(saved, indent=2))
+  return run
+
+
+def generate(*argv):
+  from jmoe.generate import main
+  return run(main, *argv)
+
+
+def test_every_reader_of_a_lora_workdir_refuses_a_changed_frozen_model(lora_run, tmp_path):
+  """The frozen model under the adapters replaced by other weights at its path: export-hf (which
+  had written a model of other weights), score and generate refuse it by name before writing
+  anything; a frozen model gone is named too."""
+  import shutil
+  run = lora_copy(lora_run, tmp_path)
+  shutil.rmtree(tmp_path / "base")
+  shutil.copytree(lora_run / "other", tmp_path / "base")
+  tokens = tokens_file(tmp_path / "in")
+  readers = {
+      "export-hf": lambda: convert("export-hf", "--checkpoint", str(run), "--out",
+                                   str(tmp_path / "hf")),
+      "score": lambda: score("--checkpoint", str(run), "--tokens-file", str(tokens), "--out",
+                             str(tmp_path / "scores.json")),
+      "generate": lambda: generate("--checkpoint", str(run), "--tokens-file", str(tokens),
+                                   "--max-new-tokens", "2"),
+  }
+  message = (r"/run holds LoRA adapters trained on the model in .*/base \(fingerprint \w+\), "
+             r"but .*/base holds other weights now: put the model they were trained on back")
+  before = hashes(tmp_path)
+  for name, read in readers.items():
+    refused(read(), message)
+    assert hashes(tmp_path) == before, name
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "in", "run"]
+  shutil.rmtree(tmp_path / "base")
+  before = hashes(tmp_path)
+  refused(readers["export-hf"](), r"/run holds LoRA adapters trained on the model in .*/base, "
+                                  r"which is gone; the adapters need it: put it back there")
+  assert hashes(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["in", "run"]

@@ -181,3 +181,26 @@ def test_a_checkpoint_with_adapters_exports_them_folded_everywhere(tmp_path):
   assert any(name.startswith(f"model.layers.{config.model.num_layers}.") for name in got.weight_map)
   for name in want.weight_map:
     np.testing.assert_allclose(got(name), want(name), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# ---- the frozen model's fingerprint, of arrays read a part at a time ----
+
+def test_opened_arrays_have_the_fingerprint_of_placed_ones(monkeypatch):
+  """The frozen model's fingerprint, taken from arrays read a region at a time (export-hf),
+  equals the one of the same values on devices, whatever the regions."""
+  import tensorstore as ts
+  from jmoe.checkpoint import params
+  from jmoe.checkpoint.streamed import StoredArray
+  rng = np.random.default_rng(0)
+  values = {"w": rng.normal(size=(3, 5, 7)).astype(np.float32),
+            "layers": {0: rng.normal(size=(4, 6)).astype(jnp.bfloat16)},
+            "mask": rng.integers(0, 2, 5).astype(bool), "scalar": np.float32(3.5),
+            "ids": rng.integers(-9, 9, (2, 3, 4, 5)).astype(np.int32)}
+  placed = params.fingerprint(jax.tree.map(jnp.asarray, values))
+  opened = lambda values: jax.tree.map(
+      lambda x: StoredArray(ts.array(np.array(x)), pathlib.Path("c")), values)
+  for limit in (1 << 28, 64, 17, 1):  # whole arrays; blocks of rows; single elements
+    monkeypatch.setattr(params, "FINGERPRINT_BYTES", limit)
+    assert params.fingerprint(opened(values)) == placed, limit
+  values["w"][2, 4, 6] = np.nextafter(values["w"][2, 4, 6], np.float32(1))  # one bit
+  assert params.fingerprint(opened(values)) != placed

@@ -135,6 +135,17 @@ class StoredArray:
     return np.asarray(self.store[region].read().result())
 
 
+def unreadable(stored: StoredArray, name: str, region: tuple, error: Exception) -> ConfigError:
+  """The message for a region of `stored` (the array `name`) that cannot be read: the
+  checkpoint is damaged (a training step's can be moved aside)."""
+  where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
+  step = stored.source.parent if stored.source.name == "state" else None
+  remedy = (f"move {step} aside to use the checkpoint before it" if step
+            else "convert or save it again")
+  return ConfigError(f"{stored.source}: {name}[{where}] cannot be read ({type(error).__name__}: "
+                     f"{str(error)[:200]}); the checkpoint is damaged: {remedy}")
+
+
 class _OpeningHandler(ocp.type_handlers.NumpyHandler):
   """Orbax's handler for restoring an array as a `StoredArray`: opened, nothing read."""
 
