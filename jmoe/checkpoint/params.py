@@ -5,7 +5,9 @@
 
 `jmoe.convert import-hf` and `jmoe.convert upcycle` write these. Whatever reads a model (scoring,
 export, `checkpoint.load_params`) also takes a training workdir and reads the model variables of
-its latest checkpoint, without its optimizer state.
+its latest checkpoint, without its optimizer state. A LoRA run's workdir reads as its frozen
+model (checked against the fingerprint its checkpoint records) with its adapters, or, for a
+reader that wants a model without adapters, with them folded into the weights.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ from jax.experimental import multihost_utils
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
                                      quiet_orbax, require_complete, use_array_writer,
                                      with_shardings)
-from jmoe.checkpoint.streamed import (OPENED, StoredArray, open_checkpointer, raise_everywhere,
-                                      unreadable)
+from jmoe.checkpoint.streamed import (OPENED, FoldedArray, StoredArray, open_checkpointer,
+                                      raise_everywhere, unreadable)
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.fp8 import Fp8History
-from jmoe.ops.lora import merged
 from jmoe.ops.params import FROZEN_PARAMS, LoRAParam
 
 log = logging.getLogger("jmoe")
@@ -126,16 +127,19 @@ def open_variables(directory: str | pathlib.Path, abstract: nnx.State) -> dict[s
   return _read(pathlib.Path(directory).absolute(), abstract, None)
 
 
-def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
-          ) -> dict[str, Any]:
+def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+          within: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
   """The pure dict of the model variables in `directory`: arrays placed by `shardings`, or
-  opened `StoredArray`s where `shardings` is None."""
+  opened `StoredArray`s (`FoldedArray`s) where `shardings` is None. `within`: the LoRA workdirs
+  whose frozen model this is, outermost first."""
   if not directory.is_dir():
     raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
                       f"import-hf` or `upcycle`) or a training --workdir")
   if (not (directory / "model").is_dir() and (directory / "config.json").is_file()
       and read_config(directory).lora.rank):
-    return _read_adapted(directory, abstract, shardings)
+    if any(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(abstract)):
+      return _read_adapted(directory, abstract, shardings, within)
+    return _read_folded(directory, abstract, shardings, within)
   target = nnx.to_pure_dict(abstract)
   if shardings is not None:
     target = with_shardings(target, nnx.to_pure_dict(shardings))
@@ -162,20 +166,25 @@ def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | N
     return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
 
 
-def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
-                  ) -> dict[str, Any]:
+def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+                  within: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
   """The model of a LoRA run's workdir: its frozen parameters from the model it was trained on
   (its checkpoint.load_params, checked against the fingerprint its checkpoint records), the
   adapters and the other variables from its newest checkpoint, which holds nothing else."""
   config = read_config(workdir)
   base = pathlib.Path(config.checkpoint.load_params).absolute()
+  if workdir in within:  # (directories replaced after the runs)
+    chain = " -> ".join(map(str, within[within.index(workdir):] + (workdir,)))
+    raise ConfigError(f"the models under the LoRA adapters in {workdir} lead back to it "
+                      f"(checkpoint.load_params: {chain}): put the model they were trained "
+                      f"on back at {base}")
   if not base.is_dir():
     raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {base}, which is "
                       f"gone; the adapters need it: put it back there")
   split = lambda tree, which: None if tree is None else nnx.split_state(tree, which, ...)
   part = lambda tree, which, i: None if tree is None else split(tree, which)[i]
   model = _read(base, part(abstract, nnx.Not(LoRAParam), 0),
-                part(shardings, nnx.Not(LoRAParam), 0))
+                part(shardings, nnx.Not(LoRAParam), 0), within + (workdir,))
   frozen = _subset(nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 0)), model)
   target = nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 1))
   if shardings is not None:
@@ -184,6 +193,62 @@ def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.Sta
                                     opened=shardings is None)
   _check_base(workdir, step, base, frozen)
   return merge_dicts(frozen, own)
+
+
+def _read_folded(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+                 within: tuple[pathlib.Path, ...]) -> dict[str, Any]:
+  """The model of a LoRA run's workdir as a model without adapters (what `abstract` asks for:
+  the load_params of another run, a full one or a LoRA one on top): each adapter folded into its
+  weight, W + (alpha / r) A B in float32 then in W's dtype, as export-hf writes it. Each matrix
+  is folded whole on the host (jmoe.ops.lora.product), so the values are the same bit for bit
+  whatever the layout: a LoRA run on this model finds its fingerprint again when it resumes."""
+  config = read_config(workdir)
+  opened = _read_adapted(workdir, nnx.state(nnx.eval_shape(model_factory(config))), None,
+                         within)
+  values = _folded(opened, config.lora.scale)
+  target = nnx.to_pure_dict(abstract)
+  problem = describe_mismatch(
+      _without_run_state(values, target, _run_state_paths(config)), target)
+  if problem:
+    raise ConfigError(f"the model in {workdir} (its LoRA adapters folded into their weights) "
+                      f"does not fit this config: {problem}. Use the model settings it was "
+                      f"saved with (its config.json)")
+  values = _subset(target, values)
+  if shardings is None:
+    return values
+  return jax.tree_util.tree_map_with_path(_placed, values, nnx.to_pure_dict(shardings))
+
+
+def _folded(opened: dict, scale: float, path: tuple[str, ...] = ()) -> dict:
+  """Opened model variables with each adapter folded into its weight (a `FoldedArray`), and the
+  adapters gone."""
+  out = {key: _folded(value, scale, path + (str(key),)) if isinstance(value, dict) else value
+         for key, value in opened.items() if key != "lora"}
+  for name, factors in opened.get("lora", {}).items():
+    out[name] = FoldedArray(out[name], factors["a"], factors["b"], scale,
+                            ".".join(path + (str(name),)))
+  return out
+
+
+def _placed(path, stored: StoredArray | FoldedArray, sharding: jax.sharding.Sharding
+            ) -> jax.Array:
+  """The values of `stored` as an array placed by `sharding`: each device's shard read from the
+  files (once for the devices that hold the same one)."""
+  shards = {}
+
+  def shard(index: tuple[slice, ...]) -> np.ndarray:
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in shards:
+      try:
+        shards[key] = stored.read(index)
+      except ConfigError:
+        raise
+      except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        raise unreadable(stored, name, index, e) from None
+    return shards[key]
+
+  return jax.make_array_from_callback(tuple(stored.shape), sharding, shard)
 
 
 def _check_base(workdir: pathlib.Path, step: int, base: pathlib.Path, frozen: dict) -> None:
@@ -327,7 +392,7 @@ def fingerprint(variables: nnx.State | dict) -> str:
   """A digest of the values of `variables` (a State, or its pure dict), bit for bit, that does
   not depend on how they are sharded: per array, two 32-bit sums of its elements' bits mixed with
   their positions (integer sums, whose order does not matter), hashed with the arrays' names,
-  dtypes and shapes. Opened arrays (`StoredArray`s) are read a region at a time,
+  dtypes and shapes. Opened arrays (`StoredArray`, `FoldedArray`) are read a region at a time,
   and their regions' sums added up."""
   tree = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
   named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x)
@@ -345,7 +410,7 @@ def fingerprint(variables: nnx.State | dict) -> str:
 FINGERPRINT_BYTES = 1 << 28  # the most bytes of an opened array read at once to fingerprint it
 
 
-def _opened_sums(arrays: list[tuple[str, StoredArray]]) -> list[tuple[int, int]]:
+def _opened_sums(arrays: list[tuple[str, StoredArray | FoldedArray]]) -> list[tuple[int, int]]:
   """`_bit_sums` of opened arrays (name, array), each read a region at a time; with several
   processes, each reads its share of the arrays and they exchange the sums."""
   index, count = jax.process_index(), jax.process_count()
@@ -362,7 +427,7 @@ def _opened_sums(arrays: list[tuple[str, StoredArray]]) -> list[tuple[int, int]]
   return [(int(a) % 2**32, int(b) % 2**32) for a, b in sums]
 
 
-def _stored_sums(name: str, stored: StoredArray) -> tuple[int, int]:
+def _stored_sums(name: str, stored: StoredArray | FoldedArray) -> tuple[int, int]:
   """`_bit_sums` of an opened array, its regions read one at a time."""
   a = b = 0
   for region in _regions(stored.shape, np.dtype(stored.dtype).itemsize, FINGERPRINT_BYTES):
@@ -433,13 +498,8 @@ def load_model(directory: str | pathlib.Path, layout: Layout, merge_adapters: bo
   variables placed on `layout`; a LoRA run's with its adapters, or (`merge_adapters`) with
   them folded into its weights, as a model without LoRA."""
   config = read_config(directory)
+  if merge_adapters and config.lora.rank:
+    config = dataclasses.replace(config, lora=LoRAConfig())
   graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
   state = read_variables(directory, abstract, layout.shardings(abstract))
-  if merge_adapters and config.lora.rank:
-    pure = merged(jax.device_get(nnx.to_pure_dict(state)), config.lora.scale)
-    config = dataclasses.replace(config, lora=LoRAConfig())
-    graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
-    state = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(state, jax.device_put(pure, nnx.to_pure_dict(
-        layout.shardings(abstract))))
   return config, nnx.merge(graphdef, state)
