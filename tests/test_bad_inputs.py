@@ -1520,17 +1520,17 @@ LORA = ["--config.lora.rank=4", "--config.lora.alpha=8.0"]
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory) -> pathlib.Path:
-  """Two models of the tiny config (`base`, `other`: other random weights), and `run`: LoRA
-  adapters trained 2 steps on `base`."""
+  """Two models of the tiny Qwen3-MoE config (exportable; `base`, `other`: other random
+  weights), and `run`: LoRA adapters trained 2 steps on `base`."""
   from flax import nnx
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from helpers import build
   root = tmp_path_factory.mktemp("lora")
-  config = load_config(CONFIG, [o.removeprefix("--config.") for o in TINY])
+  config = load_config(QWEN, [o.removeprefix("--config.") for o in TINY])
   for name, seed in (("base", 0), ("other", 1)):
     save_model(root / name, nnx.state(build(config, seed)), config)
-  result = train("--config", CONFIG, "--workdir", str(root / "run"), *TINY, *LORA,
+  result = train("--config", QWEN, "--workdir", str(root / "run"), *TINY, *LORA,
                  f"--config.checkpoint.load_params={root / 'base'}")
   assert result.code == 0, result.err[-2000:]
   return root
@@ -1542,7 +1542,7 @@ def test_lora_adapters_resume_only_on_the_model_they_were_trained_on(lora_run, t
   refuses other weights at its base's path too."""
   import shutil
   run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
-  resume = lambda base, *more: train("--config", CONFIG, "--workdir", str(run), *TINY, *LORA,
+  resume = lambda base, *more: train("--config", QWEN, "--workdir", str(run), *TINY, *LORA,
                                      f"--config.checkpoint.load_params={base}", *more)
   message = (r"the LoRA adapters in .*checkpoints/2 were trained on the model in .*/base "
              r"\(fingerprint \w+\), but checkpoint.load_params, .*/{}, holds other weights")
@@ -1960,3 +1960,135 @@ def test_settings_that_change_no_model_math_still_resume(workdir):
       == ("dense", "full", 4)
   record = json.loads((workdir / "checkpoints" / "3" / "run" / "metadata").read_text())
   assert record["settings"]["moe.top_k"] == 2 and "moe.gemm" not in record["settings"]
+
+
+# ---- LoRA workdirs read as models: their frozen model checked, their adapters folded in ----
+
+def lora_copy(lora_run: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+  """A copy of the LoRA run whose frozen model is a copy of its own, tmp_path / "base" (the
+  same weights: its fingerprint holds), which a test may change."""
+  import shutil
+  shutil.copytree(lora_run / "base", tmp_path / "base")
+  run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
+  saved = json.loads((run / "config.json").read_text())
+  saved["checkpoint"]["load_params"] = str(tmp_path / "base")
+  (run / "config.json").write_text(json.dumps(saved, indent=2))
+  return run
+
+
+def generate(*argv):
+  from jmoe.generate import main
+  return run(main, *argv)
+
+
+def test_every_reader_of_a_lora_workdir_refuses_a_changed_frozen_model(lora_run, tmp_path):
+  """The frozen model under the adapters replaced by other weights at its path: export-hf (which
+  had written a model of other weights), score, generate, and runs that start from the workdir
+  (full or LoRA) refuse it by name before writing anything; a frozen model gone is named too."""
+  import shutil
+  run = lora_copy(lora_run, tmp_path)
+  shutil.rmtree(tmp_path / "base")
+  shutil.copytree(lora_run / "other", tmp_path / "base")
+  tokens = tokens_file(tmp_path / "in")
+  starting = lambda name, *more: train("--config", QWEN, "--workdir", str(tmp_path / name),
+                                       *TINY, f"--config.checkpoint.load_params={run}", *more)
+  readers = {
+      "export-hf": lambda: convert("export-hf", "--checkpoint", str(run), "--out",
+                                   str(tmp_path / "hf")),
+      "score": lambda: score("--checkpoint", str(run), "--tokens-file", str(tokens), "--out",
+                             str(tmp_path / "scores.json")),
+      "generate": lambda: generate("--checkpoint", str(run), "--tokens-file", str(tokens),
+                                   "--max-new-tokens", "2"),
+      "a full run": lambda: starting("full"),
+      "a LoRA run": lambda: starting("stacked", *LORA),
+  }
+  message = (r"/run holds LoRA adapters trained on the model in .*/base \(fingerprint \w+\), "
+             r"but .*/base holds other weights now: put the model they were trained on back")
+  before = hashes(tmp_path)
+  for name, read in readers.items():
+    refused(read(), message)
+    assert hashes(tmp_path) == before, name
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "in", "run"]
+  saved = json.loads((run / "config.json").read_text())  # its frozen model: the run itself
+  (run / "config.json").write_text(json.dumps(
+      dict(saved, checkpoint=dict(saved["checkpoint"], load_params=str(run)))))
+  before = hashes(tmp_path)
+  refused(readers["score"](), r"the models under the LoRA adapters in .*/run lead back to it "
+                              r"\(checkpoint.load_params: .*/run -> .*/run\)")
+  assert hashes(tmp_path) == before
+  (run / "config.json").write_text(json.dumps(saved))
+  shutil.rmtree(tmp_path / "base")
+  before = hashes(tmp_path)
+  refused(readers["export-hf"](), r"/run holds LoRA adapters trained on the model in .*/base, "
+                                  r"which is gone; the adapters need it: put it back there")
+  assert hashes(tmp_path) == before and sorted(p.name for p in tmp_path.iterdir()) == ["in", "run"]
+
+
+def test_runs_start_from_a_lora_workdir_as_its_adapted_model(lora_run, tmp_path):
+  """checkpoint.load_params of a LoRA workdir: the adapters folded into their weights (W +
+  (alpha / r) A B in float32, as export-hf writes them), the same bits on any layout. A full run
+  starts from that model, and so does a LoRA run on top (its frozen model), which resumes on
+  another layout and refuses, as its readers do, a changed model under the first adapters."""
+  import shutil
+  import jax.numpy as jnp
+  from flax import nnx
+  from jmoe.checkpoint.params import load_model
+  from jmoe.config import DenseLayout, ExpertLayout, ParallelConfig
+  from jmoe.ops.lora import merged
+  from jmoe.parallel import make_layout
+  run = lora_copy(lora_run, tmp_path)
+  one = make_layout(ParallelConfig(), jax.devices()[:1])
+  config, adapted = load_model(run, one)
+  _, base = load_model(tmp_path / "base", one)
+  folded = merged(jax.device_get(nnx.to_pure_dict(nnx.state(adapted))), config.lora.scale)
+  sharded = ParallelConfig(dense=DenseLayout(data=2, fsdp=2, tensor=2),
+                           expert=ExpertLayout(data=1, expert=4, tensor=2))
+  for layout in (make_layout(sharded), one):  # what load_params of another run reads
+    plain_config, plain = load_model(run, layout, merge_adapters=True)
+    assert plain_config.lora.rank == 0
+    jax.tree.map(np.testing.assert_array_equal,
+                 jax.device_get(nnx.to_pure_dict(nnx.state(plain))), folded)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 264, (2, 16)))
+  logits = np.asarray(adapted(tokens)[0])
+  assert np.abs(logits - np.asarray(base(tokens)[0])).max() > 1e-3  # the adapters changed it
+  np.testing.assert_allclose(np.asarray(plain(tokens)[0]), logits, rtol=0, atol=1e-5)
+
+  layouts = {"one": [], "sharded": [
+      "--config.parallel.dense.data=2", "--config.parallel.dense.fsdp=2",
+      "--config.parallel.dense.tensor=2", "--config.parallel.expert.data=1",
+      "--config.parallel.expert.expert=4", "--config.parallel.expert.tensor=2"]}
+  starting = lambda name, steps, *more: train(
+      "--config", QWEN, "--workdir", str(tmp_path / name), *TINY, f"--config.train.steps={steps}",
+      "--config.train.warmup_steps=0", f"--config.checkpoint.load_params={run}", *more)
+  for name, more in (("full", ()), ("stacked", LORA)):
+    result = starting(name, 1, *more)
+    assert result.code == 0, result.err[-2000:]
+  first = lambda name: json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+  assert first("stacked")["loss"] == pytest.approx(first("full")["loss"], rel=1e-6)
+  assert abs(first("full")["loss"] - json.loads(
+      (run / "metrics.jsonl").read_text().splitlines()[0])["loss"]) > 1e-4  # not the base's
+  result = starting("stacked", 2, *LORA, *layouts["sharded"])  # the folded model found again
+  assert result.code == 0 and "resuming from" in result.err, result.err[-2000:]
+
+  # export-hf of the LoRA run on top folds both adapters: the files of its merged model.
+  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.checkpoint.params import save_model
+  merged_config, model = load_model(tmp_path / "stacked", one, merge_adapters=True)
+  save_model(tmp_path / "merged", nnx.state(model), merged_config)
+  for name in ("stacked", "merged"):
+    assert convert("export-hf", "--checkpoint", str(tmp_path / name), "--out",
+                   str(tmp_path / f"{name}-hf")).code == 0
+  got, want = (SafetensorsReader(tmp_path / f"{name}-hf") for name in ("stacked", "merged"))
+  assert set(got.weight_map) == set(want.weight_map)
+  for name in want.weight_map:
+    np.testing.assert_allclose(got(name), want(name), rtol=1e-6, atol=1e-7, err_msg=name)
+
+  shutil.rmtree(tmp_path / "base")  # the model under the first adapters, changed
+  shutil.copytree(lora_run / "other", tmp_path / "base")
+  before = hashes(tmp_path)
+  refused(convert("export-hf", "--checkpoint", str(tmp_path / "stacked"), "--out",
+                  str(tmp_path / "out")), r"/run holds LoRA adapters trained on the model in "
+                                          r".*/base \(fingerprint \w+\), but .*/base holds other")
+  refused(starting("stacked", 3, *LORA), r"/run holds LoRA adapters trained on the model in "
+                                         r".*/base \(fingerprint \w+\), but .*/base holds other")
+  assert hashes(tmp_path) == before and not (tmp_path / "out").exists()

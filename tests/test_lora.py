@@ -181,3 +181,48 @@ def test_a_checkpoint_with_adapters_exports_them_folded_everywhere(tmp_path):
   assert any(name.startswith(f"model.layers.{config.model.num_layers}.") for name in got.weight_map)
   for name in want.weight_map:
     np.testing.assert_allclose(got(name), want(name), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+# ---- reading adapters folded, a part at a time ----
+
+def test_a_folded_weight_reads_the_same_values_whatever_the_region(monkeypatch):
+  """FoldedArray (what export-hf and load_params of a LoRA workdir read) folds each matrix whole:
+  any region of it (a layer, an expert, a device's shard of rows or columns, rows a block at a
+  time) holds the values of the whole fold, bit for bit."""
+  import tensorstore as ts
+  from jmoe.checkpoint import streamed
+  from jmoe.ops.lora import fold
+  rng = np.random.default_rng(0)
+  w, a, b = (rng.normal(0, 0.3, shape).astype(np.float32)
+             for shape in ((3, 4, 24, 20), (3, 4, 24, 4), (3, 4, 4, 20)))
+  opened = lambda x: streamed.StoredArray(ts.array(x), pathlib.Path("ckpt"))
+  folded = streamed.FoldedArray(opened(w), opened(a), opened(b), 2.0, "w")
+  whole = fold(w, a, b, 2.0)
+  assert np.abs(whole - w).max() > 0.1
+  for region in [(), (1,), (slice(0, 2), 3), (2, slice(1, 3), slice(5, 17)), (0, 0, 7),
+                 (slice(None), slice(None), slice(None), slice(3, 11))]:
+    np.testing.assert_array_equal(folded.read(region), whole[region], err_msg=str(region))
+  monkeypatch.setattr(streamed, "FOLD_BYTES", 4 * 4 * 24 * 20)  # a layer at a time
+  np.testing.assert_array_equal(folded.read((slice(None), slice(None), slice(2, 9))),
+                                whole[:, :, 2:9])
+
+
+def test_opened_arrays_have_the_fingerprint_of_placed_ones(monkeypatch):
+  """The frozen model's fingerprint, taken from arrays read a region at a time (export-hf, a LoRA
+  workdir read folded), equals the one of the same values on devices, whatever the regions."""
+  import tensorstore as ts
+  from jmoe.checkpoint import params
+  from jmoe.checkpoint.streamed import StoredArray
+  rng = np.random.default_rng(0)
+  values = {"w": rng.normal(size=(3, 5, 7)).astype(np.float32),
+            "layers": {0: rng.normal(size=(4, 6)).astype(jnp.bfloat16)},
+            "mask": rng.integers(0, 2, 5).astype(bool), "scalar": np.float32(3.5),
+            "ids": rng.integers(-9, 9, (2, 3, 4, 5)).astype(np.int32)}
+  placed = params.fingerprint(jax.tree.map(jnp.asarray, values))
+  opened = lambda values: jax.tree.map(
+      lambda x: StoredArray(ts.array(np.array(x)), pathlib.Path("c")), values)
+  for limit in (1 << 28, 64, 17, 1):  # whole arrays; blocks of rows; single elements
+    monkeypatch.setattr(params, "FINGERPRINT_BYTES", limit)
+    assert params.fingerprint(opened(values)) == placed, limit
+  values["w"][2, 4, 6] = np.nextafter(values["w"][2, 4, 6], np.float32(1))  # one bit
+  assert params.fingerprint(opened(values)) != placed

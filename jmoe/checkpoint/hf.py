@@ -30,7 +30,7 @@ from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tok
 from jmoe.checkpoint.hf_mappings import Mapping, mtp_prefixes, walk
 from jmoe.checkpoint.params import open_variables, read_config
 from jmoe.checkpoint.streamed import (Region, StreamedArray, part_shape, raise_everywhere,
-                                      save_streamed)
+                                      save_streamed, unreadable)
 from jmoe.config import (Config, ConfigError, PrecisionConfig, from_config_dict,
                          to_dict)
 from jmoe.model.factory import model_factory
@@ -287,11 +287,7 @@ class _Parts:
     stored = self.stored[path]
     try:
       return stored.read(region)
+    except ConfigError:  # (a folded weight names the part that failed)
+      raise
     except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
-      where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
-      step = stored.source.parent if stored.source.name == "state" else None
-      remedy = (f"move {step} aside to export the checkpoint before it" if step
-                else "convert or save it again")
-      raise ConfigError(f"{stored.source}: {'.'.join(path)}[{where}] cannot be read "
-                        f"({type(e).__name__}: {str(e)[:200]}); the checkpoint is damaged: "
-                        f"{remedy}") from None
+      raise unreadable(stored, ".".join(path), region, e) from None

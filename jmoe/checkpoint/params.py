@@ -5,34 +5,38 @@
 
 `jmoe.convert import-hf` and `jmoe.convert upcycle` write these. Whatever reads a model (scoring,
 export, `checkpoint.load_params`) also takes a training workdir and reads the model variables of
-its latest checkpoint, without its optimizer state.
+its latest checkpoint, without its optimizer state. A LoRA run's workdir reads as its frozen
+model (checked against the fingerprint its checkpoint records) with its adapters, or, for a
+reader that wants a model without adapters, with them folded into the weights.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
 import pathlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
                                      quiet_orbax, require_complete, use_array_writer,
                                      with_shardings)
-from jmoe.checkpoint.streamed import OPENED, open_checkpointer
+from jmoe.checkpoint.streamed import (OPENED, FoldedArray, StoredArray, open_checkpointer,
+                                      raise_everywhere, unreadable)
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory
 from jmoe.ops.fp8 import Fp8History
-from jmoe.ops.lora import merged
 from jmoe.ops.params import FROZEN_PARAMS, LoRAParam
 
 log = logging.getLogger("jmoe")
@@ -123,16 +127,19 @@ def open_variables(directory: str | pathlib.Path, abstract: nnx.State) -> dict[s
   return _read(pathlib.Path(directory).absolute(), abstract, None)
 
 
-def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
-          ) -> dict[str, Any]:
+def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+          within: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
   """The pure dict of the model variables in `directory`: arrays placed by `shardings`, or
-  opened `StoredArray`s where `shardings` is None."""
+  opened `StoredArray`s (`FoldedArray`s) where `shardings` is None. `within`: the LoRA workdirs
+  whose frozen model this is, outermost first."""
   if not directory.is_dir():
     raise ConfigError(f"{directory} does not exist: pass a model checkpoint (from `jmoe.convert "
                       f"import-hf` or `upcycle`) or a training --workdir")
   if (not (directory / "model").is_dir() and (directory / "config.json").is_file()
       and read_config(directory).lora.rank):
-    return _read_adapted(directory, abstract, shardings)
+    if any(isinstance(v, LoRAParam) for _, v in nnx.to_flat_state(abstract)):
+      return _read_adapted(directory, abstract, shardings, within)
+    return _read_folded(directory, abstract, shardings, within)
   target = nnx.to_pure_dict(abstract)
   if shardings is not None:
     target = with_shardings(target, nnx.to_pure_dict(shardings))
@@ -159,34 +166,95 @@ def _read(directory: pathlib.Path, abstract: nnx.State, shardings: nnx.State | N
     return checkpointer.restore(directory / "model", args=ocp.args.StandardRestore(target))
 
 
-def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None
-                  ) -> dict[str, Any]:
+def _read_adapted(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+                  within: tuple[pathlib.Path, ...] = ()) -> dict[str, Any]:
   """The model of a LoRA run's workdir: its frozen parameters from the model it was trained on
-  (its checkpoint.load_params), the adapters and the other variables from its newest
-  checkpoint, which holds nothing else."""
+  (its checkpoint.load_params, checked against the fingerprint its checkpoint records), the
+  adapters and the other variables from its newest checkpoint, which holds nothing else."""
   config = read_config(workdir)
   base = pathlib.Path(config.checkpoint.load_params).absolute()
+  if workdir in within:  # (directories replaced after the runs)
+    chain = " -> ".join(map(str, within[within.index(workdir):] + (workdir,)))
+    raise ConfigError(f"the models under the LoRA adapters in {workdir} lead back to it "
+                      f"(checkpoint.load_params: {chain}): put the model they were trained "
+                      f"on back at {base}")
   if not base.is_dir():
     raise ConfigError(f"{workdir} holds LoRA adapters trained on the model in {base}, which is "
                       f"gone; the adapters need it: put it back there")
   split = lambda tree, which: None if tree is None else nnx.split_state(tree, which, ...)
   part = lambda tree, which, i: None if tree is None else split(tree, which)[i]
   model = _read(base, part(abstract, nnx.Not(LoRAParam), 0),
-                part(shardings, nnx.Not(LoRAParam), 0))
+                part(shardings, nnx.Not(LoRAParam), 0), within + (workdir,))
   frozen = _subset(nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 0)), model)
   target = nnx.to_pure_dict(part(abstract, FROZEN_PARAMS, 1))
   if shardings is not None:
     target = with_shardings(target, nnx.to_pure_dict(part(shardings, FROZEN_PARAMS, 1)))
   step, own = _read_newest_readable(workdir, target, lambda: _run_state_paths(config),
                                     opened=shardings is None)
-  if shardings is not None:  # (opened arrays are read a part at a time, later)
-    _check_base(workdir, step, base, frozen)
+  _check_base(workdir, step, base, frozen)
   return merge_dicts(frozen, own)
+
+
+def _read_folded(workdir: pathlib.Path, abstract: nnx.State, shardings: nnx.State | None,
+                 within: tuple[pathlib.Path, ...]) -> dict[str, Any]:
+  """The model of a LoRA run's workdir as a model without adapters (what `abstract` asks for:
+  the load_params of another run, a full one or a LoRA one on top): each adapter folded into its
+  weight, W + (alpha / r) A B in float32 then in W's dtype, as export-hf writes it. Each matrix
+  is folded whole on the host (jmoe.ops.lora.product), so the values are the same bit for bit
+  whatever the layout: a LoRA run on this model finds its fingerprint again when it resumes."""
+  config = read_config(workdir)
+  opened = _read_adapted(workdir, nnx.state(nnx.eval_shape(model_factory(config))), None,
+                         within)
+  values = _folded(opened, config.lora.scale)
+  target = nnx.to_pure_dict(abstract)
+  problem = describe_mismatch(
+      _without_run_state(values, target, _run_state_paths(config)), target)
+  if problem:
+    raise ConfigError(f"the model in {workdir} (its LoRA adapters folded into their weights) "
+                      f"does not fit this config: {problem}. Use the model settings it was "
+                      f"saved with (its config.json)")
+  values = _subset(target, values)
+  if shardings is None:
+    return values
+  return jax.tree_util.tree_map_with_path(_placed, values, nnx.to_pure_dict(shardings))
+
+
+def _folded(opened: dict, scale: float, path: tuple[str, ...] = ()) -> dict:
+  """Opened model variables with each adapter folded into its weight (a `FoldedArray`), and the
+  adapters gone."""
+  out = {key: _folded(value, scale, path + (str(key),)) if isinstance(value, dict) else value
+         for key, value in opened.items() if key != "lora"}
+  for name, factors in opened.get("lora", {}).items():
+    out[name] = FoldedArray(out[name], factors["a"], factors["b"], scale,
+                            ".".join(path + (str(name),)))
+  return out
+
+
+def _placed(path, stored: StoredArray | FoldedArray, sharding: jax.sharding.Sharding
+            ) -> jax.Array:
+  """The values of `stored` as an array placed by `sharding`: each device's shard read from the
+  files (once for the devices that hold the same one)."""
+  shards = {}
+
+  def shard(index: tuple[slice, ...]) -> np.ndarray:
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in shards:
+      try:
+        shards[key] = stored.read(index)
+      except ConfigError:
+        raise
+      except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        raise unreadable(stored, name, index, e) from None
+    return shards[key]
+
+  return jax.make_array_from_callback(tuple(stored.shape), sharding, shard)
 
 
 def _check_base(workdir: pathlib.Path, step: int, base: pathlib.Path, frozen: dict) -> None:
   """Refuses adapters on other weights than the frozen model they were trained on, as their
-  checkpoint records it (a LoRA run's `run` item)."""
+  checkpoint records it (a LoRA run's `run` item). Opened (not yet read) weights are read for
+  this, a part at a time."""
   checkpointer = Checkpointer(workdir / "checkpoints", keep=1)
   saved = (checkpointer.run_record(step) or {}).get("lora_base")
   checkpointer.close()
@@ -324,15 +392,72 @@ def fingerprint(variables: nnx.State | dict) -> str:
   """A digest of the values of `variables` (a State, or its pure dict), bit for bit, that does
   not depend on how they are sharded: per array, two 32-bit sums of its elements' bits mixed with
   their positions (integer sums, whose order does not matter), hashed with the arrays' names,
-  dtypes and shapes."""
+  dtypes and shapes. Opened arrays (`StoredArray`, `FoldedArray`) are read a region at a time,
+  and their regions' sums added up."""
   tree = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
-  named = jax.tree_util.tree_flatten_with_path(tree)[0]
-  sums = jax.device_get(_bit_sums([x for _, x in named]))
+  named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x)
+           for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+  opened = [(name, x) for name, x in named if hasattr(x, "read")]
+  sums = (iter(_opened_sums(opened) if opened else []),
+          iter(jax.device_get(_bit_sums([x for _, x in named if not hasattr(x, "read")]))))
   digest = hashlib.sha256()
-  for (path, x), (a, b) in zip(named, sums):
-    name = jax.tree_util.keystr(path, simple=True, separator="/")
+  for name, x in named:
+    a, b = next(sums[0] if hasattr(x, "read") else sums[1])
     digest.update(f"{name} {np.dtype(x.dtype).name}{list(x.shape)} {int(a)} {int(b)};".encode())
   return digest.hexdigest()[:16]
+
+
+FINGERPRINT_BYTES = 1 << 28  # the most bytes of an opened array read at once to fingerprint it
+
+
+def _opened_sums(arrays: list[tuple[str, StoredArray | FoldedArray]]) -> list[tuple[int, int]]:
+  """`_bit_sums` of opened arrays (name, array), each read a region at a time; with several
+  processes, each reads its share of the arrays and they exchange the sums."""
+  index, count = jax.process_index(), jax.process_count()
+  sums, error = np.zeros((len(arrays), 2), np.uint32), None
+  try:
+    for i, (name, stored) in enumerate(arrays):
+      if i % count == index:
+        sums[i] = _stored_sums(name, stored)
+  except Exception as e:  # noqa: BLE001 - raised below, once every process knows
+    error = e
+  raise_everywhere(error)
+  if count > 1:  # (each array's sums come from one process; the others gave zeros)
+    sums = np.asarray(multihost_utils.process_allgather(sums)).astype(np.uint64).sum(0)
+  return [(int(a) % 2**32, int(b) % 2**32) for a, b in sums]
+
+
+def _stored_sums(name: str, stored: StoredArray | FoldedArray) -> tuple[int, int]:
+  """`_bit_sums` of an opened array, its regions read one at a time."""
+  a = b = 0
+  for region in _regions(stored.shape, np.dtype(stored.dtype).itemsize, FINGERPRINT_BYTES):
+    try:
+      values = stored.read(region)
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+      raise unreadable(stored, name, region, e) from None
+    starts = np.array([r.start for r in region] + [0] * (len(stored.shape) - len(region)),
+                      np.uint32)
+    part_a, part_b = jax.device_get(_region_sums(values, starts, tuple(stored.shape)))
+    a, b = (a + int(part_a)) % 2**32, (b + int(part_b)) % 2**32
+  return a, b
+
+
+def _regions(shape: tuple[int, ...], itemsize: int, limit: int) -> Iterator[tuple[slice, ...]]:
+  """Regions (a slice per leading axis) that cover an array of `shape` in order, each within
+  `limit` bytes where one element of the innermost axis they split allows."""
+  axis = next((k for k in range(len(shape)) if math.prod(shape[k:]) * itemsize <= limit),
+              len(shape))  # the outermost axis whose whole rows fit; axes before it one by one
+  if axis == 0:
+    yield ()
+    return
+  split = axis - 1
+  rows = max(1, limit // (math.prod(shape[axis:]) * itemsize))
+  for index in itertools.product(*map(range, shape[:split])):
+    for start in range(0, shape[split], rows):
+      yield (tuple(slice(i, i + 1) for i in index)
+             + (slice(start, min(start + rows, shape[split])),))
 
 
 def _mix(v_N: jax.Array) -> jax.Array:
@@ -342,20 +467,29 @@ def _mix(v_N: jax.Array) -> jax.Array:
   return v_N ^ (v_N >> 16)
 
 
+def _sums(x: jax.Array, starts: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """The two sums of `x`, the region of an array of `shape` that begins at `starts`."""
+  x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+  unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
+  bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
+  if bits.ndim > x.ndim:
+    starts, shape = jnp.append(starts, jnp.uint32(0)), tuple(shape) + (2,)
+  index, stride = jnp.zeros(bits.shape, jnp.uint32), 1  # the element's position, mod 2^32
+  for axis in reversed(range(bits.ndim)):
+    position = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) + starts[axis]
+    index += position * jnp.uint32(stride % 2**32)
+    stride *= shape[axis]
+  mixed = _mix(bits ^ _mix(index ^ jnp.uint32(0x9E3779B9)))
+  return jnp.stack([jnp.sum(mixed, dtype=jnp.uint32),
+                    jnp.sum(_mix(mixed ^ jnp.uint32(0x27D4EB2F)), dtype=jnp.uint32)])
+
+
 @jax.jit
 def _bit_sums(arrays: list[jax.Array]) -> list[jax.Array]:
-  def one(x):
-    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    unsigned = {1: jnp.uint8, 2: jnp.uint16}.get(x.dtype.itemsize, jnp.uint32)
-    bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)  # 8 bytes: [..., 2]
-    index, stride = jnp.zeros(bits.shape, jnp.uint32), 1  # the element's position, mod 2^32
-    for axis in reversed(range(bits.ndim)):
-      index += jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * jnp.uint32(stride % 2**32)
-      stride *= bits.shape[axis]
-    mixed = _mix(bits ^ _mix(index ^ jnp.uint32(0x9E3779B9)))
-    return jnp.stack([jnp.sum(mixed, dtype=jnp.uint32),
-                      jnp.sum(_mix(mixed ^ jnp.uint32(0x27D4EB2F)), dtype=jnp.uint32)])
-  return [one(x) for x in arrays]
+  return [_sums(x, jnp.zeros(x.ndim, jnp.uint32), x.shape) for x in arrays]
+
+
+_region_sums = jax.jit(_sums, static_argnums=2)
 
 
 def load_model(directory: str | pathlib.Path, layout: Layout, merge_adapters: bool = False
@@ -364,13 +498,8 @@ def load_model(directory: str | pathlib.Path, layout: Layout, merge_adapters: bo
   variables placed on `layout`; a LoRA run's with its adapters, or (`merge_adapters`) with
   them folded into its weights, as a model without LoRA."""
   config = read_config(directory)
+  if merge_adapters and config.lora.rank:
+    config = dataclasses.replace(config, lora=LoRAConfig())
   graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
   state = read_variables(directory, abstract, layout.shardings(abstract))
-  if merge_adapters and config.lora.rank:
-    pure = merged(jax.device_get(nnx.to_pure_dict(state)), config.lora.scale)
-    config = dataclasses.replace(config, lora=LoRAConfig())
-    graphdef, abstract = nnx.split(nnx.eval_shape(model_factory(config)))
-    state = jax.tree.map(lambda x: x, abstract)
-    nnx.replace_by_pure_dict(state, jax.device_put(pure, nnx.to_pure_dict(
-        layout.shardings(abstract))))
   return config, nnx.merge(graphdef, state)

@@ -31,6 +31,7 @@ import tensorstore as ts
 from jax.experimental import multihost_utils
 
 from jmoe.config import Config, ConfigError, to_dict
+from jmoe.ops.lora import added, product
 
 Region = tuple[slice, ...]
 
@@ -133,6 +134,75 @@ class StoredArray:
 
   def read(self, region: tuple[int | slice, ...] = ()) -> np.ndarray:
     return np.asarray(self.store[region].read().result())
+
+
+def unreadable(stored: StoredArray, name: str, region: tuple, error: Exception) -> ConfigError:
+  """The message for a region of `stored` (the array `name`) that cannot be read: the
+  checkpoint is damaged (a training step's can be moved aside)."""
+  where = ", ".join(f"{r.start}:{r.stop}" if isinstance(r, slice) else str(r) for r in region)
+  step = stored.source.parent if stored.source.name == "state" else None
+  remedy = (f"move {step} aside to use the checkpoint before it" if step
+            else "convert or save it again")
+  return ConfigError(f"{stored.source}: {name}[{where}] cannot be read ({type(error).__name__}: "
+                     f"{str(error)[:200]}); the checkpoint is damaged: {remedy}")
+
+
+FOLD_BYTES = 1 << 29  # the most float32 bytes of a weight's matrices folded at once
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FoldedArray:
+  """A weight with its LoRA adapters folded in, W + scale A B (jmoe.ops.lora), read a region at
+  a time as a `StoredArray` is. Each matrix (an index of the factors' leading axes: a layer, an
+  expert) is folded whole whatever region is read, so that every reader (an export, a device's
+  shard, a fingerprint) gets the same values."""
+
+  weight: StoredArray | FoldedArray
+  a: StoredArray
+  b: StoredArray
+  scale: float
+  name: str  # the weight's, in messages
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return self.weight.shape
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.weight.dtype
+
+  @property
+  def source(self) -> pathlib.Path:
+    return self.weight.source
+
+  def read(self, region: tuple[int | slice, ...] = ()) -> np.ndarray:
+    region = tuple(region) + (slice(None),) * (len(self.shape) - len(region))
+    lead = len(self.a.shape) + len(self.b.shape) - 2 - len(self.shape)
+    if lead and isinstance(region[0], slice):  # a block of rows at a time
+      start, stop, _ = region[0].indices(self.shape[0])
+      rows = max(1, FOLD_BYTES // (4 * math.prod(self.shape[1:])))
+      if stop - start > rows:
+        out = None
+        for i in range(start, stop, rows):
+          part = self.read((slice(i, min(i + rows, stop)),) + region[1:])
+          if out is None:
+            out = np.empty((stop - start,) + part.shape[1:], part.dtype)
+          out[i - start:i - start + len(part)] = part
+        return out
+    w = self._part(self.weight, self.name, region)
+    a = self._part(self.a, f"{self.name}.lora.a", region[:lead])
+    b = self._part(self.b, f"{self.name}.lora.b", region[:lead])
+    kept = sum(isinstance(r, slice) for r in region[:lead])  # (an index drops its axis)
+    return added(w, product(a, b, kept)[(slice(None),) * kept + region[lead:]], self.scale)
+
+  @staticmethod
+  def _part(stored: StoredArray | FoldedArray, name: str, region: tuple) -> np.ndarray:
+    try:
+      return stored.read(region)
+    except ConfigError:
+      raise
+    except Exception as e:  # noqa: BLE001 - tensorstore's errors for a damaged chunk
+      raise unreadable(stored, name, region, e) from None
 
 
 class _OpeningHandler(ocp.type_handlers.NumpyHandler):

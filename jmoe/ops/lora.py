@@ -27,10 +27,19 @@ def merged(pure: dict, scale: float) -> dict:
 def fold(w: np.ndarray, a: np.ndarray, b: np.ndarray, scale: float) -> np.ndarray:
   """w + scale * a b, the factors' leading axes (stacked layers, experts) kept apart:
   a is lead + in + [r], b is lead + [r] + out, w is lead + in + out."""
-  lead = a.ndim + b.ndim - 2 - w.ndim
+  return added(w, product(a, b, a.ndim + b.ndim - 2 - w.ndim), scale)
+
+
+def product(a: np.ndarray, b: np.ndarray, lead: int) -> np.ndarray:
+  """a b in float32 (lead + in + out) for factors with `lead` leading axes: one matrix product
+  per index of those, so that a matrix's values do not depend on how many are folded at once (a
+  region of a checkpoint, a device's shard)."""
   rank = a.shape[-1]
-  lead_shape = w.shape[:lead]
-  a3 = a.reshape(int(np.prod(lead_shape)), -1, rank).astype(np.float32)
+  a3 = a.reshape(int(np.prod(a.shape[:lead])), -1, rank).astype(np.float32)
   b3 = b.reshape(a3.shape[0], rank, -1).astype(np.float32)
-  delta = np.matmul(a3, b3).reshape(w.shape)
-  return (w.astype(np.float32) + scale * delta).astype(w.dtype)
+  return np.matmul(a3, b3).reshape(a.shape[:-1] + b.shape[lead + 1:])
+
+
+def added(w: np.ndarray, delta: np.ndarray, scale: float) -> np.ndarray:
+  """w + scale * delta, computed in float32, in w's dtype."""
+  return (w.astype(np.float32) + np.float32(scale) * delta).astype(w.dtype)
