@@ -1909,7 +1909,7 @@ def test_a_lora_run_resumed_under_another_adapter_setting_is_refused(lora_run, t
   import shutil
   run = pathlib.Path(shutil.copytree(lora_run / "run", tmp_path / "run"))
   before = tree(run)
-  result = train("--config", CONFIG, "--workdir", str(run), *TINY, "--config.lora.rank=4",
+  result = train("--config", QWEN, "--workdir", str(run), *TINY, "--config.lora.rank=4",
                  "--config.lora.alpha=16.0", f"--config.checkpoint.load_params={lora_run / 'base'}",
                  "--config.train.steps=3")
   refused(result, MODEL_SAVED + r"lora.alpha 8.0, but this config has 16.0" + KEEP_MODEL)
