@@ -1,7 +1,8 @@
 """Training-step speed: one JSON line per run, for docs/PERFORMANCE.md and docs/perf/records.jsonl.
 
   python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
-      [--balanced] [--packed] [--profile DIR] [--peer] [--loop STEPS] [--record FILE]
+      [--balanced] [--packed] [--profile DIR] [--peer [transformers|torchtitan|all]]
+      [--loop STEPS] [--record FILE]
       [--no-xla-flags] [--config.group.key=value ...]
 
 Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
@@ -12,13 +13,16 @@ device (Megatron's count: jmoe/train/flops.py), MFU against the datasheet's dens
 TFLOP/s for H100/H200) and against a dense bf16 GEMM measured in the same process, the step time
 and the peak device memory. `--balanced` forces every expert to the same load
 (moe.router.force_balanced), as NeMo AutoModel's published figures do. `--profile DIR` traces 3
-more steps and adds the device time per kernel kind. `--peer` then runs the transformers step on
-the same config (scripts/hf_peer.py, a separate process, so each gets the GPU alone) and adds its
-figures and the ratio. `--loop STEPS` then runs the training command's own loop (jmoe.train's
-`Trainer`: the data pipeline, metrics, health checks and checkpoints as the config sets them) for
-STEPS steps in a temporary workdir and adds its tokens/s, counted over the whole run (saves and the
-last save's wait included), beside the bare step's. `--record FILE` appends the result to FILE as
-one JSON line.
+more steps and adds the device time per kernel kind. `--peer` then times a PyTorch peer on the
+same config, each in a process of its own so that each gets the GPU alone, and adds its figures
+and the ratio: `--peer` or `--peer transformers` the transformers model (scripts/hf_peer.py;
+fields `peer`, `peer_step_ms`, ..., `vs_peer`), `--peer torchtitan` torchtitan's own model
+(scripts/titan_peer.py, with `--balanced` its forced balance; fields `peer_torchtitan`,
+`peer_torchtitan_step_ms`, ..., `vs_peer_torchtitan`), `--peer all` both. `--loop STEPS` then
+runs the training command's own loop (jmoe.train's `Trainer`: the data pipeline, metrics, health
+checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir and adds its
+tokens/s, counted over the whole run (saves and the last save's wait included), beside the bare
+step's. `--record FILE` appends the result to FILE as one JSON line.
 """
 
 from __future__ import annotations
@@ -172,34 +176,61 @@ def last_json(command: list[str]) -> tuple[dict | None, str]:
   return json.loads(lines[-1]), ""
 
 
-def with_peer(argv: list[str], config: str, overrides: list[str], record_path: str | None) -> int:
-  """jmoe's step (this script with `argv`), then the transformers step on the same config, each
-  in a process of its own so that each has the GPU (and JAX its preallocated memory) to itself;
-  their ratio."""
+# Each peer: its script and the prefix of its fields in the record (the transformers peer keeps the
+# fields that records before torchtitan's have).
+PEERS = {"transformers": ("hf_peer.py", "peer"), "torchtitan": ("titan_peer.py", "peer_torchtitan")}
+
+
+def with_peers(argv: list[str], args: argparse.Namespace, overrides: list[str]) -> int:
+  """jmoe's step (this script with `argv`), then each peer's step on the same config, each in a
+  process of its own so that each has the GPU (and JAX its preallocated memory) to itself; the
+  ratios."""
   record, error = last_json([sys.executable, __file__, *argv])
   if record is None:
     print(error, file=sys.stderr)
     return 1
-  peer, error = last_json([sys.executable, str(pathlib.Path(__file__).with_name("hf_peer.py")),
-                           "--config", config, *overrides])
-  if peer is None:
-    record["peer_error"] = error
-  else:
-    record.update(peer_fields(peer, record["tflops_per_device"]))
+  failed = False
+  for name in PEERS if args.peer == "all" else (args.peer,):
+    script, prefix = PEERS[name]
+    extra = ["--balanced"] if args.balanced and name == "torchtitan" else []
+    figures, error = last_json([sys.executable, str(pathlib.Path(__file__).with_name(script)),
+                                "--config", args.config, *extra, *overrides])
+    if figures is None:
+      record[f"{prefix}_error"], failed = error, True
+    else:
+      record.update(peer_fields(figures, record["tflops_per_device"], prefix))
   print(json.dumps(record), flush=True)
-  if record_path:
-    append_record(record_path, record)
-  return 0 if peer is not None else 1
+  if args.record:
+    append_record(args.record, record)
+  return 1 if failed else 0
 
 
-def peer_fields(figures: dict, tflops: float) -> dict:
-  return {"peer": figures["peer"], "peer_experts": figures["experts_implementation"],
-          "peer_attention": figures["attention"],
-          "peer_step_ms": figures["step_ms"],
-          "peer_tokens_per_s_per_device": figures["tokens_per_s_per_device"],
-          "peer_tflops_per_device": figures["tflops_per_device"],
-          "peer_peak_memory_gib": figures["peak_memory_gib"],
-          "vs_peer": round(tflops / figures["tflops_per_device"], 3)}
+def peer_fields(figures: dict, tflops: float, prefix: str = "peer") -> dict:
+  fields = {prefix: figures["peer"], f"{prefix}_experts": figures["experts_implementation"],
+            f"{prefix}_attention": figures["attention"],
+            f"{prefix}_step_ms": figures["step_ms"],
+            f"{prefix}_tokens_per_s_per_device": figures["tokens_per_s_per_device"],
+            f"{prefix}_tflops_per_device": figures["tflops_per_device"],
+            f"{prefix}_peak_memory_gib": figures["peak_memory_gib"],
+            f"vs_{prefix}": round(tflops / figures["tflops_per_device"], 3)}
+  for key in ("compile", "routing", "params"):  # the torchtitan peer's own
+    if key in figures:
+      fields[f"{prefix}_{key}"] = figures[key]
+  return fields
+
+
+def without_flag(argv: list[str], flag: str, values: tuple[str, ...] | None = None) -> list[str]:
+  """`argv` without `flag`, as `flag=VALUE` or `flag VALUE`; with `values`, VALUE is optional
+  and one of them, else it is always there."""
+  kept, skip = [], False
+  for i, arg in enumerate(argv):
+    if skip:
+      skip = False
+    elif arg == flag:
+      skip = i + 1 < len(argv) and (values is None or argv[i + 1] in values)
+    elif not arg.startswith(flag + "="):
+      kept.append(arg)
+  return kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="also trace 3 steps into DIR and print the device time per kernel kind")
   parser.add_argument("--packed", action="store_true",
                       help="rows packed from several documents by the data pipeline")
-  parser.add_argument("--peer", action="store_true",
-                      help="then time the transformers step on the same config (hf_peer.py)")
+  parser.add_argument("--peer", nargs="?", const="transformers", choices=(*PEERS, "all"),
+                      help="then time a PyTorch peer on the same config: transformers "
+                      "(hf_peer.py, the default), torchtitan (titan_peer.py) or all")
   parser.add_argument("--loop", type=int, metavar="STEPS",
                       help="then time STEPS steps of jmoe.train's own loop on the same config")
   parser.add_argument("--record", metavar="FILE", help="append the result as a JSON line")
@@ -227,10 +259,9 @@ def main(argv: list[str] | None = None) -> int:
   refused = run(lambda: check_outputs(args))  # before anything is compiled or timed
   if refused:
     return refused
-  if args.peer:  # this process only drives the two measurements
-    child = [a for i, a in enumerate(argv) if a not in ("--peer", "--record")
-             and not (i and argv[i - 1] == "--record") and not a.startswith("--record=")]
-    return with_peer(child, args.config, overrides, args.record)
+  if args.peer:  # this process only drives the measurements
+    child = without_flag(without_flag(argv, "--peer", (*PEERS, "all")), "--record")
+    return with_peers(child, args, overrides)
   if not args.no_xla_flags:
     from jmoe.xla_flags import set_gpu_flags
     set_gpu_flags()

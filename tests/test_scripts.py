@@ -128,3 +128,157 @@ def test_hf_peer_asks_each_family_for_an_attention_transformers_accepts(tmp_path
   for name, choice in found.items():
     assert choice["auto"] == ATTENTION[name][0] in choice["accepts"], (name, choice)
   assert "sdpa" not in found["GptOssForCausalLM"]["accepts"]
+
+
+# ---- the torchtitan peer (scripts/titan_peer.py) and benchmark.py's --peer choices ----
+
+def scripts_module(name):
+  sys.path.insert(0, str(ROOT / "scripts"))
+  try:
+    return __import__(name)
+  finally:
+    sys.path.remove(str(ROOT / "scripts"))
+
+
+# What titan_peer.titan_args must give for the tiny configs: torchtitan 0.2.2's ModelArgs and
+# MoEArgs keyword arguments, written out from the configs' values.
+TINY_MOE = dict(num_experts=8, top_k=2, score_func="softmax", route_norm=True, route_scale=1.0,
+                num_expert_groups=None, num_limited_groups=None, score_before_experts=False,
+                use_grouped_mm=True, load_balance_coeff=None, _debug_force_load_balance=False)
+TINY_TITAN = {
+    "tiny_qwen3_moe": {
+        "model": "Qwen3Model",
+        "args": dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, vocab_size=264,
+                     hidden_dim=512, norm_eps=1e-6, rope_theta=10_000.0, qk_norm=True,
+                     enable_weight_tying=False, moe_enabled=True, moe_inter_dim=128,
+                     max_seq_len=128, attn_type="sdpa", attn_mask_type="causal"),
+        "moe_args": dict(TINY_MOE, num_shared_experts=0, gate_bias=False)},
+    "tiny_deepseek_v3": {
+        "model": "DeepSeekV3Model",
+        "args": dict(dim=128, n_layers=4, n_dense_layers=1, n_heads=8, vocab_size=264,
+                     inter_dim=512, moe_inter_dim=128, norm_eps=1e-6, q_lora_rank=64,
+                     kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                     rope_theta=10_000.0, rope_factor=1.0, original_seq_len=4096,
+                     beta_fast=32.0, beta_slow=1.0, mscale=0.0, max_seq_len=128,
+                     attn_type="flex", attn_mask_type="causal"),
+        "moe_args": dict(TINY_MOE, num_shared_experts=1, gate_bias=False, score_func="sigmoid",
+                         route_scale=2.5, num_expert_groups=4, num_limited_groups=2,
+                         load_balance_coeff=0.001)},
+    "tiny_gpt_oss": {
+        "model": "GptOssModel",
+        "args": dict(dim=128, n_layers=4, n_heads=8, n_kv_heads=4, head_dim=16, vocab_size=264,
+                     moe_inter_dim=128, norm_eps=1e-6, swiglu_limit=7.0, sliding_window_size=32,
+                     rope_theta=10_000.0, rope_factor=1.0, original_seq_len=4096, ntk_alpha=1.0,
+                     ntk_beta=32.0, max_seq_len=128, attn_type="flex", attn_mask_type="causal"),
+        # softmax over the chosen logits: torchtitan's softmax, renormalised over the chosen
+        "moe_args": dict(TINY_MOE, num_shared_experts=0, gate_bias=True)},
+}
+
+
+def torchtitan_params(spec: dict) -> int:
+  """Parameters of torchtitan 0.2.2's model of `spec`, from its modules' shapes (weights
+  [out, in]; its tiny models built under torch 2.11 have 1,842,432 (Qwen3), 1,796,608
+  (DeepSeek-V3) and 1,856,192 (GPT-OSS))."""
+  a, m = spec["args"], spec["moe_args"]
+  D, V, E, F = a["dim"], a["vocab_size"], m["num_experts"], a["moe_inter_dim"]
+  total = V * D * (1 if a.get("enable_weight_tying") else 2) + D  # embedding, head, final norm
+  moe = E * D + E * m["gate_bias"] + 3 * E * F * D + 3 * D * F * m["num_shared_experts"]
+  for layer in range(a["n_layers"]):
+    total += 2 * D  # the two norms
+    if spec["model"] == "DeepSeekV3Model":
+      H, q, kv = a["n_heads"], a["q_lora_rank"], a["kv_lora_rank"]
+      qk = a["qk_nope_head_dim"] + a["qk_rope_head_dim"]
+      total += (D * q + q + q * H * qk) if q else D * H * qk  # queries (through their latent)
+      total += D * (kv + a["qk_rope_head_dim"]) + kv  # the key-value latent and its norm
+      total += kv * H * (a["qk_nope_head_dim"] + a["v_head_dim"]) + H * a["v_head_dim"] * D
+      total += 3 * D * a["inter_dim"] if layer < a["n_dense_layers"] else moe
+      continue
+    H, KV, hd = a["n_heads"], a["n_kv_heads"], a["head_dim"]
+    total += 2 * D * H * hd + 2 * D * KV * hd  # query, output, key, value projections
+    if spec["model"] == "Qwen3Model":
+      total += 2 * hd * a["qk_norm"] + moe
+    else:  # GPT-OSS: projection biases, sinks, experts with their biases (gate and up fused)
+      total += H * hd + 2 * KV * hd + D + H + moe + 2 * E * F + E * D
+  return total
+
+
+def test_titan_peer_maps_each_family_onto_torchtitans_arguments():
+  """jmoe's tiny Qwen3-MoE, DeepSeek-V3 and GPT-OSS configs become torchtitan's model arguments
+  as written out above, and the model those arguments build has jmoe's parameter count."""
+  from jmoe.config import load_config
+  peer = scripts_module("titan_peer")
+  for name, expected in TINY_TITAN.items():
+    config = load_config(ROOT / "configs" / f"{name}.py")
+    spec = peer.titan_args(config)
+    assert spec == expected, name
+    assert torchtitan_params(spec) == peer.jmoe_params(config), name
+  config = load_config(ROOT / "configs" / "tiny_qwen3_moe.py")
+  spec = peer.titan_args(config, attention="flex", balanced=True)
+  assert spec["args"]["attn_type"] == "flex" and spec["moe_args"]["_debug_force_load_balance"]
+  peer.check_params(1_000_999, 1_000_000)
+  with pytest.raises(ValueError, match=r"1,002,000 parameters, jmoe's 1,000,000 \(\+2,000\)"):
+    peer.check_params(1_002_000, 1_000_000)
+
+
+@pytest.mark.parametrize("name, overrides, attention, message", [
+    ("tiny_mixtral", [], "auto", "model.family='mixtral': torchtitan has no Mixtral model"),
+    ("tiny_moe", [], "auto", "model.family (for the torchtitan peer) must be one of"),
+    ("tiny_qwen3_moe", ["--config.model.attention_bias=true"], "auto",
+     "model.attention_bias=True: torchtitan's Qwen3 model runs model.attention_bias=False only; "
+     "set --config.model.attention_bias=False"),
+    ("tiny_qwen3_moe", ["--config.moe.first_k_dense=1"], "auto", "moe.first_k_dense=1"),
+    ("tiny_deepseek_v3", ["--config.model.mtp_depth=1"], "auto", "set --config.model.mtp_depth=0"),
+    ("tiny_deepseek_v3", ["--config.moe.capacity_factor=1.25"], "auto", "moe.capacity_factor"),
+    ("tiny_gpt_oss", ["--config.moe.swiglu_alpha=1.5"], "auto", "moe.swiglu_alpha=1.5"),
+    ("tiny_gpt_oss", [], "sdpa", "--attention sdpa: torchtitan's GptOssModel runs ['flex']"),
+])
+def test_titan_peer_refuses_what_torchtitans_model_cannot_run(name, overrides, attention, message):
+  from jmoe.config import ConfigError, load_config
+  peer = scripts_module("titan_peer")
+  with pytest.raises(ConfigError) as refused:
+    peer.titan_args(load_config(ROOT / "configs" / f"{name}.py", overrides), attention)
+  assert message in str(refused.value)
+
+
+def test_titan_peer_builds_torchtitans_model_with_jmoes_parameter_count():
+  """Where torch and torchtitan 0.2.2 are installed beside jmoe (the GPU image with the carried
+  wheels): torchtitan's own model of each tiny config, built on the meta device, has jmoe's
+  parameter count and the count `torchtitan_params` reads from its arguments."""
+  pytest.importorskip("torch", reason="torch is not installed here (not a jmoe dependency); "
+                      "the mapping test covers the arguments and their parameter count")
+  pytest.importorskip("torchtitan", reason="torchtitan is not installed here (not a jmoe "
+                      "dependency); the mapping test covers the arguments and their count")
+  from jmoe.config import load_config
+  peer = scripts_module("titan_peer")
+  titan = peer.import_torchtitan()
+  for name in TINY_TITAN:
+    config = load_config(ROOT / "configs" / f"{name}.py")
+    spec = peer.titan_args(config)
+    model = peer.build_model(titan, spec)
+    count = sum(p.numel() for p in model.parameters())
+    assert count == peer.jmoe_params(config) == torchtitan_params(spec), name
+
+
+def test_benchmark_peer_choices_keep_their_fields_apart():
+  """--peer's value leaves the child command (and --record's); each peer's figures land under
+  its own prefix, the transformers peer's under the names earlier records have."""
+  bench = scripts_module("benchmark")
+  choices = (*bench.PEERS, "all")
+  argv = ["--config", "c.py", "--peer", "torchtitan", "--steps", "2", "--record", "r.jsonl",
+          "--balanced"]
+  child = bench.without_flag(bench.without_flag(argv, "--peer", choices), "--record")
+  assert child == ["--config", "c.py", "--steps", "2", "--balanced"]
+  assert bench.without_flag(["--peer", "--steps", "2"], "--peer", choices) == ["--steps", "2"]
+  assert bench.without_flag(["--peer=all", "--record=r"], "--peer", choices) == ["--record=r"]
+  figures = {"peer": "p", "experts_implementation": "grouped_mm", "attention": "sdpa",
+             "step_ms": 10.0, "tokens_per_s_per_device": 100, "tflops_per_device": 50.0,
+             "peak_memory_gib": 1.0}
+  old = bench.peer_fields(figures, 100.0, "peer")
+  assert old == {"peer": "p", "peer_experts": "grouped_mm", "peer_attention": "sdpa",
+                 "peer_step_ms": 10.0, "peer_tokens_per_s_per_device": 100,
+                 "peer_tflops_per_device": 50.0, "peer_peak_memory_gib": 1.0, "vs_peer": 2.0}
+  titan = bench.peer_fields(dict(figures, compile="per block", params=7), 100.0,
+                            bench.PEERS["torchtitan"][1])
+  assert titan["peer_torchtitan"] == "p" and titan["vs_peer_torchtitan"] == 2.0
+  assert titan["peer_torchtitan_compile"] == "per block" and titan["peer_torchtitan_params"] == 7
+  assert not set(titan) & set(old)
