@@ -2027,3 +2027,27 @@ def test_a_real_full_disk_leaves_no_partial_checkpoint(tmp_path, async_save):
   refused(result, r"saving the checkpoint of step [12] in .*/run/checkpoints failed \(No space "
                   r"left on device: ValueError: RESOURCE_EXHAUSTED")
 
+
+@pytest.mark.parametrize("command", ["import-hf", "export-hf"])
+def test_conversions_onto_a_full_disk_say_so_and_leave_nothing(hf_dir, tmp_path, command):
+  """The arrays of import-hf are written by TensorStore and the files of export-hf by
+  safetensors, each raising its own error type for a full disk: one line naming the cause and
+  what to do, exit 2, and no temporary left beside the --out (a 40 kB file system)."""
+  import subprocess
+  small = tmp_path / "small"
+  small.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(small)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small file system here")
+  source = ["--hf-dir", str(hf_dir)] if command == "import-hf" else [
+      "--checkpoint", str(hf_dir.parent / "ckpt")]
+  before = hashes(hf_dir.parent)
+  try:
+    result = convert(command, *source, "--out", str(small / "out"))
+    left = sorted(p.name for p in small.iterdir())
+  finally:
+    subprocess.run(["umount", str(small)], check=True)
+  refused(result, r"error: (.*/small/\.out\.writing-[\w-]+/[\w.-]+: )?No space left on device "
+                  r"while writing --out .*/small/out, which is left as it was; free some space "
+                  r"there")
+  assert left == [] and hashes(hf_dir.parent) == before

@@ -202,6 +202,19 @@ def _quiet_saves(on: bool) -> None:
 
 
 @contextlib.contextmanager
+def quiet_failed_writes() -> Iterator[None]:
+  """Orbax's tracebacks of a write that fails within the block kept off the terminal (the
+  failure reaches the caller as an exception, and the command says it in one line), and after
+  the block for writes still in flight when it failed. JMOE_DEBUG=1 prints them all."""
+  if os.environ.get("JMOE_DEBUG", "") not in ("", "0"):
+    yield
+    return
+  _quiet_saves(True)
+  yield  # (an exception leaves the quiet on)
+  _quiet_saves(False)
+
+
+@contextlib.contextmanager
 def quiet_orbax() -> Iterator[None]:
   log_filter, absl_log = _NotAboutItemMetadata(), logging.getLogger("absl")
   absl_log.addFilter(log_filter)
