@@ -3,6 +3,8 @@ one. Every package may import this module; it imports nothing of jmoe's."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
 from typing import Mapping, TypeVar
 
@@ -39,3 +41,19 @@ def choice(key: str, name: str, registry: Mapping[str, T]) -> T:
   if name not in registry:
     raise ConfigError(not_one_of(key, name, registry))
   return registry[name]
+
+
+def os_error(error: BaseException) -> OSError | None:
+  """The operating system's error under a failed write: `error` itself if an OSError, or one
+  made from the code TensorStore (which writes Orbax's arrays) puts in its message of a failed
+  write (`Failed writing: ... [os_error_code='28']`: a full disk); else None."""
+  if isinstance(error, OSError):
+    return error
+  if isinstance(error, ConfigError):  # (a message of jmoe's, which may quote one of TensorStore's)
+    return None
+  found = re.search(r"(?:[Ee]rror writing|Failed writing|Failed to write).*os_error_code='?(\d+)",
+                    str(error), re.DOTALL)
+  if found is None:
+    return None
+  code = int(found.group(1))
+  return OSError(code, os.strerror(code))

@@ -17,7 +17,7 @@ import secrets
 import shutil
 from typing import Iterable, Iterator, Mapping
 
-from jmoe.errors import ConfigError
+from jmoe.errors import ConfigError, os_error
 
 log = logging.getLogger("jmoe")
 
@@ -138,8 +138,9 @@ def written(output: Output, tag: str | None = None) -> Iterator[pathlib.Path]:
     yield tmp
   except BaseException as e:
     _remove([tmp], made)
-    if isinstance(e, OSError):
-      raise _failed(output, e) from None
+    failure = os_error(e)  # (a full disk under Orbax's writes too)
+    if failure is not None:
+      raise _failed(output, failure) from None
     raise
   publish(output, tmp)
 
@@ -207,14 +208,14 @@ def _changed(output: Output, tmp: pathlib.Path) -> ConfigError:
 
 
 def _failed(output: Output, e: OSError) -> ConfigError:
-  where = e.filename or output.path
+  where = f"{e.filename}: " if e.filename else ""  # (else the output's path, named below)
   if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
     fix = "choose a place you can write, or change its permissions"
   elif e.errno in (errno.ENOSPC, errno.EDQUOT):
     fix = "free some space there, or choose another place"
   else:
     fix = f"fix that, or choose another {output.flag}"
-  return ConfigError(f"{where}: {e.strerror or e} while writing {output.flag} {output.path}, "
+  return ConfigError(f"{where}{e.strerror or e} while writing {output.flag} {output.path}, "
                      f"which is left as it was; {fix}")
 
 

@@ -1738,7 +1738,7 @@ def train_process(tmp_path, workdir, *overrides, script=None, **env):
          "--config.checkpoint.async_save=true"],
         dict(BREAK="file", BREAK_AT="2"),
         r"saving the checkpoint of step 2 in .*/checkpoints failed \(NotADirectoryError: .*\), "
-        r"so training stopped; no earlier checkpoint is left",
+        r"so training stopped; no earlier checkpoint is left in \S+/checkpoints$",
         id="in the background, a periodic save"),
     pytest.param(
         ["--config.train.steps=50", "--config.checkpoint.async_save=true"],
@@ -2092,3 +2092,199 @@ def test_runs_start_from_a_lora_workdir_as_its_adapted_model(lora_run, tmp_path)
   refused(starting("stacked", 3, *LORA), r"/run holds LoRA adapters trained on the model in "
                                          r".*/base \(fingerprint \w+\), but .*/base holds other")
   assert hashes(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+# ---- checkpoint saves that fail part way, and saves a killed run left unfinished ----
+# Orbax writes a step in <step>.orbax-checkpoint-tmp and renames it when complete. A full disk is
+# made in the run's own process at the lowest writer Orbax's Python code reaches (etils' `open`:
+# every file Orbax writes itself goes through it; TensorStore writes the arrays beside it) for
+# the files of one step's train state, once its save has begun: what fails is the real save.
+
+FULL_DISK = '''
+import errno, hashlib, json, os, pathlib, signal, sys
+from etils.epath import backend
+from jmoe.train import preemption
+
+real_open, real_stop = open, preemption.StopSignals.stop_requested
+target = "/checkpoints/" + os.environ["BREAK_AT"] + ".orbax-checkpoint-tmp/state"
+
+def finished_checkpoints():
+    root = pathlib.Path(os.environ["CHECKPOINTS"])
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and ".orbax-checkpoint-tmp" not in str(p)}
+
+def full_disk(path, mode="r", **kwargs):
+    if target in str(path) and any(c in mode for c in "wax"):
+        seen = pathlib.Path(os.environ["BEFORE"])
+        if not seen.exists():  # the finished checkpoints as the failing save found them
+            seen.write_text(json.dumps(finished_checkpoints()))
+        if os.environ["BREAK"] == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real_open(path, mode, **kwargs)
+
+def signalled(self, step):
+    if step == int(os.environ.get("SIGNAL_AT", 0)):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_stop(self, step)
+
+backend.open = full_disk
+preemption.StopSignals.stop_requested = signalled
+sys.argv[0] = "jmoe.train"
+from jmoe.train.__main__ import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def unfinished(workdir: pathlib.Path) -> list[str]:
+  return sorted(str(p) for p in workdir.rglob("*.orbax-checkpoint-tmp*"))
+
+
+def logged_steps(workdir: pathlib.Path) -> list[int]:
+  return [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def full_disk_run(tmp_path, workdir, overrides, **env) -> tuple[Result, dict[str, str]]:
+  """The run with `overrides` whose save of step env["BREAK_AT"] finds the disk full; its result
+  and the finished checkpoints' hashes as that save found them."""
+  before = tmp_path / "before.json"
+  result = train_process(tmp_path, workdir, *overrides, script=FULL_DISK,
+                         CHECKPOINTS=str(workdir / "checkpoints"), BEFORE=str(before), **env)
+  assert before.exists(), result.err[-3000:]  # the fault was met
+  return result, json.loads(before.read_text())
+
+
+@pytest.mark.parametrize("overrides, env, kept", [
+    pytest.param(["--config.train.steps=4", "--config.checkpoint.every=1",
+                  "--config.checkpoint.keep=1"], dict(BREAK_AT="2"), 1,
+                 id="in the foreground, a periodic save (keep=1)"),
+    pytest.param(["--config.train.steps=4", "--config.checkpoint.every=1",
+                  "--config.checkpoint.keep=1", "--config.checkpoint.async_save=true"],
+                 dict(BREAK_AT="2"), 1, id="in the background, a periodic save (keep=1)"),
+    pytest.param(["--config.train.steps=6", "--config.checkpoint.every=3",
+                  "--config.checkpoint.async_save=true"], dict(BREAK_AT="4", SIGNAL_AT="4"), 3,
+                 id="in the background, the save on SIGTERM"),
+    pytest.param(["--config.train.steps=3", "--config.checkpoint.every=2"], dict(BREAK_AT="3"),
+                 2, id="in the foreground, the final save"),
+])
+def test_a_save_that_fails_part_way_removes_what_it_wrote(tmp_path, overrides, env, kept):
+  """A save that fails part way (a full disk) removes its own partial files, and only those: the
+  run stops in one line naming the directory and the cause, exit 2; the checkpoints saved before
+  it are as they were; and the same command resumes from the last of them, as if the failed save
+  had never started."""
+  workdir, failing = tmp_path / "run", env["BREAK_AT"]
+  overrides = [*overrides, "--config.train.log_every=1"]
+  result, before = full_disk_run(tmp_path, workdir, overrides, BREAK="full", **env)
+  assert unfinished(workdir) == [], result.err[-2000:]
+  refused(result, rf"saving the checkpoint of step {failing} in .*/run/checkpoints failed "
+                  rf"\(.*No space left on device.*\), so training stopped; the checkpoint of "
+                  rf"step {kept} is kept: once there is free space in .*/run/checkpoints again, "
+                  rf"the same command resumes from it$")
+  assert result.err.count("error:") == 1
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == [str(kept)]
+  assert hashes(workdir / "checkpoints") == before
+  again = train("--config", CONFIG, "--workdir", str(workdir), *TINY, *overrides)
+  assert again.code == 0, again.err[-3000:]
+  assert f"resuming from {workdir / 'checkpoints' / str(kept)} at step {kept}" in again.err
+  steps = int(overrides[0].split("=")[1])
+  assert logged_steps(workdir) == list(range(1, steps + 1))
+  assert unfinished(workdir) == [] and (workdir / "checkpoints" / str(steps)).is_dir()
+
+
+def test_the_first_save_failing_leaves_no_checkpoint_directory_behind(tmp_path):
+  """With no checkpoint before it, the failed save leaves checkpoints/ empty and says so; the
+  same command then starts over from step 0."""
+  workdir = tmp_path / "run"
+  overrides = ["--config.train.steps=2", "--config.checkpoint.async_save=true",
+               "--config.train.log_every=1"]
+  result, before = full_disk_run(tmp_path, workdir, overrides, BREAK="full", BREAK_AT="2")
+  assert unfinished(workdir) == [], result.err[-2000:]
+  refused(result, r"saving the checkpoint of step 2 in .*/run/checkpoints failed \(.*No space "
+                  r"left on device.*\), so training stopped; no earlier checkpoint is left")
+  assert before == {}
+  assert not list((workdir / "checkpoints").iterdir())
+  again = train("--config", CONFIG, "--workdir", str(workdir), *TINY, *overrides)
+  assert again.code == 0 and "resuming" not in again.err, again.err[-3000:]
+  assert logged_steps(workdir) == [1, 2]
+
+
+def test_a_save_a_killed_run_left_unfinished_is_no_checkpoint_and_is_removed(tmp_path):
+  """kill -9 during a save leaves <step>.orbax-checkpoint-tmp. The next start is not taken in by
+  it, nor by a complete one that was never renamed, nor by an older Orbax's (<step>.orbax-
+  checkpoint-tmp-<time>): it resumes from the last finished checkpoint and removes them with a
+  notice, once it has found everything else in order (a refused start leaves them)."""
+  import shutil
+  workdir, checkpoints = tmp_path / "run", tmp_path / "run" / "checkpoints"
+  overrides = ["--config.train.steps=4", "--config.checkpoint.every=1",
+               "--config.checkpoint.async_save=true", "--config.train.log_every=1"]
+  result, before = full_disk_run(tmp_path, workdir, overrides, BREAK="kill", BREAK_AT="3")
+  assert result.code == -9, result.err[-3000:]
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp"]
+  shutil.copytree(checkpoints / "2", checkpoints / "7.orbax-checkpoint-tmp")  # never renamed
+  shutil.copytree(checkpoints / "2", checkpoints / "5.orbax-checkpoint-tmp-1796221201")
+  (checkpoints / "5.orbax-checkpoint-tmp-1796221201" / "state" / "manifest.ocdbt").unlink()
+  stale = tree(checkpoints)
+  refused(train("--config", CONFIG, "--workdir", str(workdir), *TINY, *overrides,
+                "--config.train.batch_size=16"), r"train\.batch_size")
+  assert tree(checkpoints) == stale
+  again = train("--config", CONFIG, "--workdir", str(workdir), *TINY, *overrides,
+                "--config.train.steps=3")
+  assert again.code == 0, again.err[-3000:]
+  assert f"resuming from {checkpoints / '2'} at step 2" in again.err
+  for step, name in ((3, "3.orbax-checkpoint-tmp"), (5, "5.orbax-checkpoint-tmp-1796221201"),
+                     (7, "7.orbax-checkpoint-tmp")):
+    assert (f"removing {checkpoints / name}: the save of step {step} did not finish"
+            in again.err), again.err[-3000:]
+  assert unfinished(workdir) == [] and logged_steps(workdir) == [1, 2, 3]
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2", "3"]
+  assert {k: v for k, v in hashes(checkpoints).items() if "/3/" not in k} == before
+
+
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_a_real_full_disk_leaves_no_partial_checkpoint(tmp_path, async_save):
+  """A 900 kB file system that holds the checkpoint of step 1 but not that of step 2 (or, in the
+  background, not always that of step 1): the failed save's files are gone when the process ends
+  (TensorStore's writes in flight at the failure make their directories again: they are removed
+  once Orbax is closed), and the message names the cause first."""
+  import subprocess
+  workdir = tmp_path / "small"
+  workdir.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=900k", "tmpfs", str(workdir)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small file system here")
+  try:
+    result = train_process(tmp_path, workdir / "run", "--config.train.steps=4",
+                           "--config.checkpoint.every=1",
+                           f"--config.checkpoint.async_save={async_save}")
+    left = unfinished(workdir)
+    listed = sorted(p.name for p in (workdir / "run" / "checkpoints").iterdir())
+  finally:
+    subprocess.run(["umount", str(workdir)], check=True)
+  assert left == [] and listed in ([], ["1"]), (left, listed)
+  refused(result, r"saving the checkpoint of step [12] in .*/run/checkpoints failed \(No space "
+                  r"left on device: ValueError: RESOURCE_EXHAUSTED")
+
+
+@pytest.mark.parametrize("command", ["import-hf", "export-hf"])
+def test_conversions_onto_a_full_disk_say_so_and_leave_nothing(hf_dir, tmp_path, command):
+  """The arrays of import-hf are written by TensorStore and the files of export-hf by
+  safetensors, each raising its own error type for a full disk: one line naming the cause and
+  what to do, exit 2, and no temporary left beside the --out (a 40 kB file system)."""
+  import subprocess
+  small = tmp_path / "small"
+  small.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40k", "tmpfs", str(small)],
+                    capture_output=True).returncode:
+    pytest.skip("cannot mount a small file system here")
+  source = ["--hf-dir", str(hf_dir)] if command == "import-hf" else [
+      "--checkpoint", str(hf_dir.parent / "ckpt")]
+  before = hashes(hf_dir.parent)
+  try:
+    result = convert(command, *source, "--out", str(small / "out"))
+    left = sorted(p.name for p in small.iterdir())
+  finally:
+    subprocess.run(["umount", str(small)], check=True)
+  refused(result, r"error: (.*/small/\.out\.writing-[\w-]+/[\w.-]+: )?No space left on device "
+                  r"while writing --out .*/small/out, which is left as it was; free some space "
+                  r"there")
+  assert left == [] and hashes(hf_dir.parent) == before

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import pathlib
+import re
 import secrets
 import shutil
 from typing import Iterator
@@ -206,7 +207,14 @@ class ShardedWriter:
 
   def _flush(self) -> None:
     name = f"part-{self.tag}-{len(self.written):05d}.safetensors"
-    save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+    try:
+      save_file(self.pending, self.directory / name, metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001 - safetensors says an I/O error in its own type
+      code = re.search(r"\(os error (\d+)\)", str(e))
+      if code is None:
+        raise
+      raise OSError(int(code.group(1)), os.strerror(int(code.group(1))),
+                    str(self.directory / name)) from None
     self.written.append((name, list(self.pending)))
     self.pending = {}
 

@@ -6,10 +6,12 @@ Each step's checkpoint holds three items:
     run/     what a resume must find unchanged that the state does not hold (the model settings,
              and with LoRA the model under the adapters), as JSON
 Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
-save (or `wait`) waits for the write to finish. A step's directory appears only when its write is
-complete, so a save cut short leaves no half-written step behind. A save that fails, in the
-foreground or the background, raises a ConfigError naming the step and the directory at the next
-`save` or `wait`.
+save (or `wait`) waits for the write to finish. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
+and renames it to `<step>` when complete, so a save cut short leaves no half-written step behind. A
+save that fails, in the foreground or the background, removes its temporary directory and raises a
+ConfigError naming the step, the directory and the cause at the next `save` or `wait`; a run
+killed while saving leaves its temporary directory, which the next run on the workdir removes
+(`remove_unfinished`) once it has found everything else in order.
 
 Restoring takes the target shardings from the current run, so the saved arrays land directly in
 this run's placement whatever layout or device count wrote them. A latest checkpoint that cannot
@@ -21,11 +23,13 @@ order.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import itertools
 import logging
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
@@ -38,6 +42,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.config import ConfigError
+from jmoe.errors import os_error
 from jmoe.ops.params import LAYER_AXES
 
 log = logging.getLogger("jmoe")
@@ -102,6 +107,50 @@ def require_complete(item: pathlib.Path) -> None:
     raise FileNotFoundError(f"{item / missing[0]} is missing")
 
 
+# Orbax writes a step's checkpoint under this suffix and renames it to the step when complete.
+UNFINISHED = ocp.path.step.TMP_DIR_SUFFIX
+_UNFINISHED_NAME = re.compile(rf"(\d+){re.escape(UNFINISHED)}(-\d+)?")  # (older Orbax: -<time>)
+
+
+def unfinished_saves(directory: pathlib.Path) -> list[pathlib.Path]:
+  """The temporary directories of saves in `directory` that never finished."""
+  try:
+    return sorted(p for p in directory.iterdir() if _UNFINISHED_NAME.fullmatch(p.name))
+  except OSError:  # not a directory (any more): nothing of Orbax's in it
+    return []
+
+
+def finished_steps(directory: pathlib.Path) -> list[int]:
+  """The steps whose checkpoints `directory` holds on disk (Orbax's list in memory forgets,
+  at the start of a background save, the steps that save would make old)."""
+  try:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+  except OSError:
+    return []
+
+
+def remove_tree(path: pathlib.Path) -> str:
+  """Removes `path` (a directory, or a file or link where a directory was expected); "" or why
+  it could not be removed. Nothing there (a file where its directory should be, too), or what
+  another process removes meanwhile, is no failure."""
+  def gone_already(function, name, error):
+    if not isinstance(error, FileNotFoundError):
+      raise error
+
+  if not os.path.lexists(path):
+    return ""
+  try:
+    if path.is_dir() and not path.is_symlink():
+      shutil.rmtree(path, onexc=gone_already)
+    else:
+      path.unlink(missing_ok=True)
+  except FileNotFoundError:
+    pass
+  except OSError as e:
+    return e.strerror or str(e)
+  return ""
+
+
 class _NotAboutItemMetadata(logging.Filter):
   """Orbax warns that an item directory has no checkpoint-level metadata file: it lives one level
   up, where the checkpoint manager wrote it. Nothing is wrong."""
@@ -150,6 +199,19 @@ def _quiet_saves(on: bool) -> None:
     for name in _QUIET.LOGGERS:
       logging.getLogger(name).removeFilter(_QUIET)
     sys.unraisablehook = _QUIET.hook
+
+
+@contextlib.contextmanager
+def quiet_failed_writes() -> Iterator[None]:
+  """Orbax's tracebacks of a write that fails within the block kept off the terminal (the
+  failure reaches the caller as an exception, and the command says it in one line), and after
+  the block for writes still in flight when it failed. JMOE_DEBUG=1 prints them all."""
+  if os.environ.get("JMOE_DEBUG", "") not in ("", "0"):
+    yield
+    return
+  _quiet_saves(True)
+  yield  # (an exception leaves the quiet on)
+  _quiet_saves(False)
 
 
 @contextlib.contextmanager
@@ -203,6 +265,7 @@ class Checkpointer:
     self.unreadable: list[int] = []  # steps restore_latest passed over
     self._pending: int | None = None  # the step whose write may still be under way
     self._broken = False  # a save failed
+    self._partial: set[int] = set()  # the steps whose failed saves' files were removed
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -240,15 +303,32 @@ class Checkpointer:
       raise self._failed(step, e) from None
 
   def _failed(self, step: int | None, error: Exception) -> ConfigError:
+    """The message for the failed save of `step`, once what it wrote is removed."""
     self._broken = True
-    kept = [s for s in self._manager.all_steps()
-            if s != step and (self.directory / str(s)).is_dir()]
-    earlier = (f"the checkpoint of step {max(kept)} is kept: once {self.directory} is a "
-               f"writable directory again, the same command resumes from it" if kept else
-               f"no earlier checkpoint is left in {self.directory}")
+    left = self._remove_partial(step)
+    kept = [s for s in finished_steps(self.directory) if s != step]
+    cause = os_error(error)
+    again = (f"there is free space in {self.directory} again"
+             if cause is not None and cause.errno in (errno.ENOSPC, errno.EDQUOT) else
+             f"{self.directory} is a writable directory again")
+    earlier = (f"the checkpoint of step {max(kept)} is kept: once {again}, the same command "
+               f"resumes from it" if kept else f"no earlier checkpoint is left in {self.directory}")
     reason = str(error).splitlines()[0][:300] if str(error) else ""
+    # (An OSError says its cause first; TensorStore's, at the end of what may be cut off.)
+    said = f"{cause.strerror}: " if cause is not None and cause is not error else ""
     return ConfigError(f"saving the checkpoint of step {step} in {self.directory} failed "
-                       f"({type(error).__name__}: {reason}), so training stopped; {earlier}")
+                       f"({said}{type(error).__name__}: {reason}), so training stopped; "
+                       f"{earlier}{left}")
+
+  def _remove_partial(self, step: int | None) -> str:
+    """Removes what the failed save of `step` wrote: its temporary directory (a finished step's
+    directory is never touched). "" or, when it could not be removed, a clause saying so."""
+    if step is None:
+      return ""
+    self._partial.add(step)
+    path = self.directory / f"{step}{UNFINISHED}"
+    why = remove_tree(path)
+    return f"; its partial files in {path} could not be removed ({why}): delete them" if why else ""
 
   def run_record(self, step: int) -> dict[str, Any] | None:
     """What the checkpoint of `step` recorded for a resume to check (`save`'s `run`), or None
@@ -342,12 +422,29 @@ class Checkpointer:
       self._manager.reload()
     self.unreadable = []
 
+  def remove_unfinished(self) -> None:
+    """Removes the temporary directories of saves that never finished (a run killed while
+    saving): they are no checkpoint, and hold disk space. For the run that holds the workdir,
+    once it has found everything else in order."""
+    for path in unfinished_saves(self.directory) if jax.process_index() == 0 else []:
+      log.warning("removing %s: the save of step %s did not finish (its run was stopped while "
+                  "saving)", path, path.name.split(".")[0])
+      why = remove_tree(path)
+      if why:  # (in the way only if this run saves that step again; that save then says so)
+        log.warning("%s cannot be removed (%s): delete it", path, why)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("jmoe_remove_unfinished")
+
   def close(self) -> None:
     """Waits for the save under way (raising if it failed) and lets go of Orbax's threads."""
     try:
       self.wait()
     finally:
       self._manager.close()
+      # Writes of a failed save still in flight when it failed may have made its directory
+      # again (TensorStore makes the directories it writes in).
+      for step in self._partial:
+        remove_tree(self.directory / f"{step}{UNFINISHED}")
       # After a failed save the quiet stays on: the writes still in flight when it failed
       # report their own failures when they end, or when collected at the process's exit.
       if self._quiet and not self._broken:

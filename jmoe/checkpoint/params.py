@@ -29,8 +29,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
-                                     quiet_orbax, require_complete, use_array_writer,
-                                     with_shardings)
+                                     quiet_failed_writes, quiet_orbax, require_complete,
+                                     use_array_writer, with_shardings)
 from jmoe.checkpoint.streamed import (OPENED, FoldedArray, StoredArray, open_checkpointer,
                                       raise_everywhere, unreadable)
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
@@ -51,7 +51,7 @@ def save_model(directory: str | pathlib.Path, state: nnx.State, config: Config) 
                  if isinstance(leaf, jax.Array) for shard in leaf.addressable_shards), default=0)
   use_array_writer()
   handler = ocp.StandardCheckpointHandler(save_concurrent_gb=_window_gb(largest))
-  with ocp.Checkpointer(handler) as checkpointer:
+  with quiet_failed_writes(), ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(directory / "model", args=ocp.args.StandardSave(
         nnx.to_pure_dict(state), save_args=nnx.to_pure_dict(part_save_args(state))), force=True)
   (directory / "config.json").write_text(json.dumps(to_dict(config), indent=2))

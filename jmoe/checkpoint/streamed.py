@@ -30,6 +30,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
+from jmoe.checkpoint.manager import quiet_failed_writes
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.ops.lora import added, product
 
@@ -256,7 +257,7 @@ def save_streamed(directory: str | pathlib.Path, tree: dict[str, Any], config: C
   # (on the first process only, leaving the others waiting): the processes agree below instead.
   handler = ocp.PyTreeCheckpointHandler(handler_impl=ocp.BasePyTreeCheckpointHandler(
       type_handler_registry=registry, enable_post_merge_validation=False))
-  with ocp.Checkpointer(handler) as checkpointer:
+  with quiet_failed_writes(), ocp.Checkpointer(handler) as checkpointer:
     checkpointer.save(directory / "model", args=ocp.args.PyTreeSave(tree), force=True)
   raise_everywhere(streamed.failed[0] if streamed.failed else None)
   if ocp.multihost.process_index() == 0:

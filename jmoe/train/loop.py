@@ -165,8 +165,10 @@ class Trainer:
 
   def _write_start(self, config: Config, workdir: pathlib.Path) -> None:
     """What a start writes once every check has passed: unreadable checkpoints moved aside, the
-    config, the metrics after the resumed step dropped, the tokenizer's files."""
+    saves a killed run left unfinished removed, the config, the metrics after the resumed step
+    dropped, the tokenizer's files."""
     self.checkpointer.set_aside_unreadable()
+    self.checkpointer.remove_unfinished()
     if self._lead:
       write_atomic(workdir / "config.json", json.dumps(to_dict(config), indent=2))
       drop_metrics_after(workdir / "metrics.jsonl", self.step)
