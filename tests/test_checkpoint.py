@@ -206,6 +206,53 @@ def test_one_process_saves_replicated_arrays_without_compiling(tmp_path, caplog)
   np.testing.assert_array_equal(restored["split"], values + 1)
 
 
+def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypatch):
+  """With room on the devices, an async save copies the state there and returns: the arrays it
+  was given may be donated to the next step (here deleted) while a thread takes the copy to the
+  host; what is saved is the state as it was. A failure in that thread stops the next save."""
+  from jmoe.checkpoint import manager
+  mesh = jax.make_mesh((8,), ("data",))
+  values = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+  make = lambda: {"split": jax.device_put(values, NamedSharding(mesh, PartitionSpec("data"))),
+                  "replicated": jax.device_put(values + 1, NamedSharding(mesh, PartitionSpec()))}
+  shardings = jax.tree.map(lambda x: x.sharding, make())
+  # Room: the copy (64 bytes a shard of "split", 512 of "replicated") beside the peak.
+  roomy = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 8_000}
+  tight = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 9_000}
+  assert manager.device_copy(make(), tight) is None
+  assert manager.device_copy(make(), lambda device: None) is None  # the host's own memory
+  original = make()
+  copy = manager.device_copy(original, roomy)
+  jax.tree.map(lambda x: x.delete(), original)
+  np.testing.assert_array_equal(copy["split"], values)
+  assert copy["split"].sharding.is_equivalent_to(shardings["split"], 2)
+
+  real_copy = manager.device_copy
+  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(tree, roomy))
+  checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2)
+  state = make()
+  checkpointer.save(1, state, {"at": 1})
+  assert checkpointer._thread is not None  # the copy goes to the host in a thread
+  jax.tree.map(lambda x: x.delete(), state)  # (a train step donating the state)
+  checkpointer.wait()
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make())
+  restored, data = checkpointer.restore(1, abstract, shardings)
+  np.testing.assert_array_equal(restored["split"], values)
+  np.testing.assert_array_equal(restored["replicated"], values + 1)
+  assert data == {"at": 1}
+
+  def full(*args):
+    raise OSError(28, "No space left on device")
+  monkeypatch.setattr(checkpointer, "_start", full)
+  checkpointer.save(2, make())
+  with pytest.raises(ConfigError, match=r"saving the checkpoint of step 2 in .* failed "
+                                        r"\(OSError: .*No space left on device\), so training "
+                                        r"stopped; the checkpoint of step 1 is kept"):
+    checkpointer.save(3, make())
+  checkpointer.close()
+  assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]
+
+
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
   env = command_env(2)
 

@@ -5,8 +5,10 @@ Each step's checkpoint holds three items:
     data/    the input pipeline's position, as JSON
     run/     what a resume must find unchanged that the state does not hold (the model settings,
              and with LoRA the model under the adapters), as JSON
-Saves are asynchronous: `save` returns once the arrays are copied off the devices, and the next
-save (or `wait`) waits for the write to finish. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
+Saves are asynchronous: the state is copied on its devices (where they have room for a copy beside
+the step's peak), `save` returns at once and training goes on while a thread of the checkpointer
+copies that to the host and Orbax writes it in the background; the next save (or `wait`) waits for
+both. Without room for the copy, `save` returns once the arrays are on the host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
 and renames it to `<step>` when complete, so a save cut short leaves no half-written step behind. A
 save that fails, in the foreground or the background, removes its temporary directory and raises a
 ConfigError naming the step, the directory and the cause at the next `save` or `wait`; a run
@@ -32,10 +34,12 @@ import pathlib
 import re
 import shutil
 import sys
+import threading
 import time
 from typing import Any, Callable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -246,6 +250,25 @@ def describe_mismatch(saved: Any, target: Any) -> str | None:
   return None
 
 
+def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats()
+                ) -> Any | None:
+  """`tree` with each of its arrays copied on the devices it lies on, or None where a device has
+  no memory figures (the host's own) or too little room: its peak so far (a training step's)
+  and the copy must fit in 95% of its memory."""
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  needed: dict[Any, int] = {}
+  for x in arrays:
+    for shard in x.addressable_shards:
+      needed[shard.device] = needed.get(shard.device, 0) + shard.data.nbytes
+  for device, nbytes in needed.items():
+    stats = memory_stats(device) or {}
+    if "bytes_limit" not in stats or (
+        stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)) + nbytes
+        > 0.95 * stats["bytes_limit"]):
+      return None
+  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
 class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True):
@@ -266,6 +289,10 @@ class Checkpointer:
     self._pending: int | None = None  # the step whose write may still be under way
     self._broken = False  # a save failed
     self._partial: set[int] = set()  # the steps whose failed saves' files were removed
+    self._async = async_save
+    self._thread: threading.Thread | None = None  # the save copying a state to the host
+    self._thread_error: Exception | None = None
+    self._copies_noted = False
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -279,24 +306,54 @@ class Checkpointer:
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
            run: dict[str, Any] | None = None) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
-    `step`; returns before the write ends. A step that is already saved is left as it is. Raises
-    a ConfigError if this save, or the previous one in the background, fails."""
+    `step`; returns before the write ends (with async saves, before the arrays reach the host
+    where the devices have room for a copy of them). A step that is already saved is left as it
+    is. Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
     self.wait()
-    items = dict(state=ocp.args.StandardSave(state, save_args=part_save_args(state)),
-                 data=ocp.args.JsonSave(data or {}))
+    copy = device_copy(state) if self._async else None
+    if self._async and not self._copies_noted and jax.default_backend() != "cpu":
+      self._copies_noted = True
+      log.info("checkpoints: %s", "the state is copied on its devices and training goes on "
+               "while the copy goes to the host" if copy is not None else "training waits while "
+               "the state goes to the host (the devices lack room for a copy beside the step's "
+               "peak)")
+    items = dict(data=ocp.args.JsonSave(data or {}))
     if run:
       items["run"] = ocp.args.JsonSave(run)
     self._pending = step
+    if copy is None:
+      try:
+        self._start(step, state, items)
+      except Exception as e:  # noqa: BLE001 - whatever the file system says, named in one line
+        raise self._failed(step, e) from None
+      return
+    self._thread_error = None
+    self._thread = threading.Thread(target=self._start_in_thread, args=(step, copy, items),
+                                    name=f"jmoe-save-{step}", daemon=True)
+    self._thread.start()
+
+  def _start(self, step: int, state: Any, items: dict[str, Any]) -> None:
+    """Orbax's save: returns once `state` is on the host, its write under way."""
+    items = dict(state=ocp.args.StandardSave(state, save_args=part_save_args(state)), **items)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def _start_in_thread(self, step: int, state: Any, items: dict[str, Any]) -> None:
     try:
-      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
-    except Exception as e:  # noqa: BLE001 - whatever the file system says, named in one line
-      raise self._failed(step, e) from None
+      self._start(step, state, items)
+    except Exception as e:  # noqa: BLE001 - raised by `wait`
+      self._thread_error = e
 
   def wait(self) -> None:
     """Waits for the save under way; raises a ConfigError if it failed."""
     step, self._pending = self._pending, None
+    thread, self._thread = self._thread, None
+    if thread is not None:
+      thread.join()
+      if self._thread_error is not None:
+        error, self._thread_error = self._thread_error, None
+        raise self._failed(step, error) from None
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
