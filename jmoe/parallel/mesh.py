@@ -51,6 +51,13 @@ class Layout:
   def repeats(self) -> int:
     return self.folding.repeats
 
+  def layer_groups(self, num_layers: int) -> tuple[int, ...]:
+    """The layers of each group of the stack the stages split (stage s, repeat r: group
+    r S + s), in layer order; one group without stages."""
+    if self.stages == 1:
+      return (num_layers,)
+    return self.folding.parallel.layer_groups(num_layers)
+
   def inside_stages(self) -> Layout:
     return dataclasses.replace(self, inside=True)
 
@@ -70,12 +77,15 @@ class Layout:
   def param_spec(self, axes: Sequence[str | None], shape: Sequence[int], *,
                  stored: bool = True) -> P:
     """Where a weight is kept; `stored=False`: without the axes that only store it."""
-    # Weights outside the stages are FSDP-sharded over the stage axis too.
-    more = () if "stage_layers" in axes else self.stage_axes
+    # Weights outside the stages are FSDP-sharded over the stage axis too, and so is a stack
+    # whose layers the stages do not divide (uneven groups: each step gathers a stage's own).
+    layers = dict(zip(axes, shape)).get("stage_layers")
+    by_layers = layers is not None and layers % self.stages == 0
+    more = () if by_layers else self.stage_axes
 
     def mesh_axes(name):
       if name == "stage_layers":
-        return self.stage_axes if stored else ()
+        return self.stage_axes if stored and by_layers else ()
       if name in rules.EXPERT_PARAMS:
         role = rules.EXPERT_PARAMS[name]
         if role == "data":
