@@ -9,6 +9,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -67,6 +68,18 @@ class Layout:
       return x
     spec = P(self.stage_axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def next_stage(self, x: jax.Array, *, wrap: bool = False) -> jax.Array:
+    """x (leading axis over the stages) handed on: stage s + 1 gets stage s's slice, stage 0
+    zeros (`wrap`: the last stage's). One collective-permute of a stage's slice per stage
+    boundary, where a roll over the stage axis also sends the slice that stage 0 drops."""
+    if not self.stage_axes:
+      return jnp.roll(x, 1, axis=0) if wrap else jnp.zeros_like(x)
+    axis, S = self.stage_axes, self.stages
+    pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if wrap else [])
+    spec = P(axis)
+    return jax.shard_map(lambda block: jax.lax.ppermute(block, axis, pairs), mesh=self.mesh,
+                         in_specs=spec, out_specs=spec, axis_names=set(axis))(x)
 
   @property
   def _batch_stage(self) -> tuple[str, ...]:
