@@ -2288,3 +2288,42 @@ def test_conversions_onto_a_full_disk_say_so_and_leave_nothing(hf_dir, tmp_path,
                   r"while writing --out .*/small/out, which is left as it was; free some space "
                   r"there")
   assert left == [] and hashes(hf_dir.parent) == before
+
+
+# ---- pipeline stages: how the MoE layers are assigned to them (3 MoE layers here)
+
+PIPELINE = [*TINY, "--config.model.num_layers=4", "--config.parallel.pipeline=2",
+            "--config.parallel.dense.data=4", "--config.parallel.expert.data=4"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["pipeline_layers=[2,2]"], r"parallel.pipeline_layers \[2, 2\] sums to 4, but the model has "
+                                r"3 MoE layers"),
+    (["pipeline_layers=[3,0]"], r"parallel.pipeline_layers \[3, 0\]: every group needs at least "
+                                r"one layer"),
+    (["pipeline_layers=[3]"], r"parallel.pipeline_layers \[3\] has 1 entries for "
+                              r"parallel.pipeline x parallel.pipeline_repeats = 2 groups"),
+    (["pipeline_layers=[1,2]", "pipeline_first=1"], r"leave parallel.pipeline_first and "
+                                                    r"parallel.pipeline_last at 0 with it"),
+    (["pipeline_layers=[1.5,1.5]"], r"'parallel.pipeline_layers' must be a list of ints"),
+    (["pipeline_first=2", "pipeline_last=2"], r"parallel.pipeline_first \(2\) \+ "
+                                              r"parallel.pipeline_last \(2\) is more than the 3 "
+                                              r"MoE layers"),
+    (["pipeline_first=1", "pipeline_last=1"], r"must sum to the 3 MoE layers: the 2 groups are "
+                                              r"the first and the last"),
+    (["pipeline_first=3"], r"parallel.pipeline_first \(3\) leaves 0 of the 3 MoE layers for "
+                           r"the other 1 of the parallel.pipeline x parallel.pipeline_repeats = 2 "
+                           r"groups, which need at least one each"),
+    (["pipeline_repeats=2", "pipeline_layers=[1,1,1,1]"], r"sums to 4, but the model has 3"),
+    (["pipeline_repeats=2"], r"the 3 MoE layers cannot fill parallel.pipeline x "
+                             r"parallel.pipeline_repeats = 4 groups"),
+    (["pipeline=1", "pipeline_layers=[3]", "dense.data=8", "expert.data=8"],
+     r"pipeline_first and pipeline_last assign layers to pipeline stages: set "
+     r"parallel.pipeline > 1"),
+])
+def test_pipeline_layer_assignments_that_cannot_work(tmp_path, overrides, message):
+  before = hashes(tmp_path)
+  result = train("--config", CONFIG, "--workdir", str(tmp_path / "run"), *PIPELINE,
+                 *(f"--config.parallel.{o}" for o in overrides))
+  refused(result, message)
+  assert hashes(tmp_path) == before

@@ -114,3 +114,27 @@ def test_dispatcher_and_family_are_checked_against_their_registries(tmp_path):
     model_factory(tiny_config(moe=dict(dispatcher="ring")))()
   with pytest.raises(ConfigError, match="model.family must be one of"):
     train(tiny_config(model=dict(family="llama")), tmp_path / "run", progress=False)
+
+
+def test_pipeline_layers_parse_as_a_list_and_survive_config_json():
+  """`--config.parallel.pipeline_layers=[1,2]` or `=1,2`; config.json's list reads back the same."""
+  import json
+  from jmoe.config import from_config_dict, to_dict
+  for value in ("[1,2]", "1,2", "(1, 2)"):
+    config = load_config(TINY_FILE, ["--config.parallel.pipeline=2",
+                                     f"--config.parallel.pipeline_layers={value}"])
+    assert config.parallel.pipeline_layers == (1, 2)
+    assert config.parallel.layer_groups(3) == (1, 2)
+  assert from_config_dict(json.loads(json.dumps(to_dict(config)))) == config
+
+
+@pytest.mark.parametrize("parallel, layers, groups", [
+    (dict(pipeline=2), 3, (2, 1)),
+    (dict(pipeline=4, pipeline_repeats=2), 58, (8, 8, 7, 7, 7, 7, 7, 7)),
+    (dict(pipeline=16, pipeline_first=2, pipeline_last=2), 58,
+     (2, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 3, 3, 2)),
+    (dict(pipeline=4, pipeline_last=1), 58, (19, 19, 19, 1)),
+])
+def test_layer_groups_as_even_as_the_counts_allow(parallel, layers, groups):
+  from jmoe.config import ParallelConfig
+  assert ParallelConfig(**parallel).layer_groups(layers) == groups

@@ -1,7 +1,7 @@
 """Pipeline stages (jmoe/model/pipeline.py) compute what the single-device micro-batch loop
 computes: loss, every gradient and the per-layer router statistics, for stages folded with the
-dense and expert layouts, circular repeats and a model with dense layers first; and checkpoints
-move between pipeline sizes."""
+dense and expert layouts, circular repeats, uneven groups of layers and a model with dense layers
+first; and checkpoints move between pipeline sizes."""
 
 import shutil
 
@@ -11,7 +11,7 @@ import pytest
 
 from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
 from jmoe.data import first_batches
-from jmoe.model.pipeline import bubble_fraction
+from jmoe.model.pipeline import Slots, bubble_fraction
 from jmoe.parallel import make_layout
 from jmoe.train.loop import train
 from jmoe.train.optimizer import make_optimizer
@@ -74,6 +74,37 @@ def assert_matches(result, reference):
                                err_msg=jax.tree_util.keystr(path))
 
 
+# Uneven groups: (MoE layers, parallel config); each gradient of the stack (masked slots
+# included: theirs must add exactly nothing) against the run without stages.
+UNEVEN = {
+    "3_layers_pp2_even_as_can_be": (3, LAYOUTS["pp2_ep4"]),  # 2 + 1
+    "3_layers_pp2_listed": (3, dict(LAYOUTS["pp2_tp2_ep2"], pipeline_layers=(1, 2))),
+    "5_layers_pp2_repeats2": (5, dict(LAYOUTS["pp2_repeats2"], pipeline_layers=(1, 2, 1, 1))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNEVEN))
+def test_uneven_stages_match_single_device(name):
+  moe_layers, parallel = UNEVEN[name]
+  config = lambda parallel=None: tiny_config(
+      model=dict(MODEL, num_layers=moe_layers + 1), train=BATCH,
+      moe=dict(dispatcher="alltoall", balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001)),
+      **({"parallel": parallel} if parallel else {}))
+  assert_matches(gradients(config(parallel), jax.devices()),
+                 gradients(config(), jax.devices()[:1]))
+
+
+def test_slots_of_uneven_groups():
+  slots = Slots(counts=(1, 2, 1, 1), stages=2)  # 2 stages x 2 repeats
+  assert slots.width == 2 and not slots.even
+  np.testing.assert_array_equal(slots.starts, [[0, 1], [3, 4]])
+  np.testing.assert_array_equal(slots.layers[:, :, 0], [[0, 0], [3, 3]])  # masked: its last
+  np.testing.assert_array_equal(slots.active[:, :, 1], [[True, True], [True, False]])
+  assert slots.describe() == ("MoE layers per stage: 2, 3 (per virtual stage, each stage's "
+                              "repeats: 1+1, 2+1); each group runs 2 slots, masked where it has "
+                              "fewer layers")
+
+
 # DeepSeek-like: MLA, an MTP module, a shared expert, sigmoid group routing, sequence-wise aux
 # loss and aux-loss-free bias; GPT-OSS-like: no dense layer first (4 MoE layers), sliding windows
 # on alternate layers (so each stage must know its layers' indices), sinks, biased experts.
@@ -93,9 +124,14 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_families_match_single_device(family):
+@pytest.mark.parametrize("family, layers", [*((f, None) for f in sorted(FAMILIES)),
+                                             ("deepseek", 4), ("gpt_oss", 3)])
+def test_families_match_single_device(family, layers):
+  """`layers`: fewer layers, so that the MoE blocks split unevenly (2 + 1: the MTP module after
+  them; the sliding windows alternating by each layer's index in the model)."""
   variant = FAMILIES[family]
+  if layers:
+    variant = dict(variant, model=dict(variant["model"], num_layers=layers))
   config = lambda **parallel: tiny_config(**variant, train=BATCH, **parallel)
   assert_matches(gradients(config(parallel=LAYOUTS["pp2_ep4"]), jax.devices()),
                  gradients(config(), jax.devices()[:1]))
@@ -118,7 +154,7 @@ def test_pipeline_sizes_that_cannot_work():
   with pytest.raises(ConfigError, match=r"parallel.pipeline \(3\) must divide the 8 devices"):
     make_layout(ParallelConfig(DenseLayout(data=-1), ExpertLayout(data=-1), pipeline=3))
   cases = [
-      (dict(pipeline=8), {}, "the 4 MoE layers do not split into"),
+      (dict(pipeline=8), {}, "the 4 MoE layers cannot fill"),
       (dict(pipeline=2, pipeline_repeats=2), dict(train=dict(batch_size=16, micro_batch_size=16)),
        "at least as many micro-batches as stages"),
       (dict(pipeline=2), dict(precision=dict(gemm="fp8", fp8_recipe="delayed")),

@@ -91,6 +91,34 @@ def test_pipeline_stages_pass_activations():
   assert 1.25 <= report["all_to_all_over_routed"] <= 2.0
 
 
+def test_pipeline_hands_on_one_micro_batch_per_stage_boundary():
+  """Inside the schedule's loop the stages exchange nothing but the hand-off: one
+  collective-permute of a micro-batch's activations forward and one of their gradient backward,
+  each sent by every stage but the last (no wrap-around without repeats) and in bfloat16 here
+  (before: 3 forward and 4 backward, the roll's wrapped slice and self-sends, and the outputs and
+  inputs broadcast over the stages by all-gathers and all-reduces)."""
+  import re
+  from jmoe.memory.traffic import compiled_texts
+  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+                "train.batch_size=16", "train.micro_batch_size=4")
+  optimized, partitioned = compiled_texts(config, make_layout(config.parallel))
+  in_loop = [line for line in optimized.splitlines()
+             if re.search(r" (collective-permute|all-gather|all-reduce)(-start)?\(", line)
+             and "jvp())/while/body/" in line.replace("jvp()/while/body/", "jvp())/while/body/")
+             and "/while/body/eval_jaxpr/vmap()" not in line]
+  permutes = [line for line in in_loop if "collective-permute" in line]
+  # one sequence of 128 tokens of width 128 per device (4 per micro-batch over dense data 4)
+  assert len(permutes) == 2 and all("[1,1,128,128]" in p for p in permutes), permutes
+  # (the CPU build widens them to float32 after partitioning, as jmoe/memory/traffic.py says)
+  assert re.findall(r"= (\w+)\[1,1,128,128\]\S* collective-permute\(", partitioned) == [
+      "bf16", "bf16"]
+  assert all("{{0,4},{1,5},{2,6},{3,7}}" in p or "{{4,0},{5,1},{6,2},{7,3}}" in p
+             for p in permutes), permutes
+  big = [line for line in in_loop if "collective-permute" not in line
+         and re.search(r"\[\d*,?\d*,?128,128\]", line)]
+  assert not big, big  # no activation-sized all-gather or all-reduce in the loop
+
+
 def test_script_prints_one_json_line(capsys):
   sys.path.insert(0, str(ROOT / "scripts"))
   import comm_volume

@@ -147,11 +147,22 @@ def _check_type(value: Any, hint: Any, key: str) -> Any:
   if value is None and type(None) in allowed:
     return value
   for kind in allowed:
+    if typing.get_origin(kind) is tuple and isinstance(value, (list, tuple)):
+      item = typing.get_args(kind)[0]
+      if all(isinstance(v, item) and not isinstance(v, bool) for v in value):
+        return tuple(value)
+      continue
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
       return float(value)
     if kind is int and isinstance(value, bool):
       continue
     if isinstance(kind, type) and isinstance(value, kind):
       return value
-  names = " or ".join(getattr(k, "__name__", str(k)) for k in allowed)
+  names = " or ".join(_type_name(k) for k in allowed)
   raise ConfigError(f"config key {key!r} must be a {names}, got {value!r}")
+
+
+def _type_name(kind) -> str:
+  if typing.get_origin(kind) is tuple:
+    return f"list of {typing.get_args(kind)[0].__name__}s"
+  return getattr(kind, "__name__", str(kind))

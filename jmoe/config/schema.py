@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from jmoe.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class YarnConfig:
@@ -155,6 +157,52 @@ class ParallelConfig:
   # its own devices (the mesh's outermost axis); dense and expert layouts are those of one stage.
   pipeline: int = 1
   pipeline_repeats: int = 1  # layer groups per stage, visited in turn (circular stages)
+  # How many MoE layers each of the pipeline x pipeline_repeats groups (virtual stages) holds, in
+  # the order the layers run: group g = r * pipeline + s is stage s's repeat r. Either a list of
+  # every group's count (summing to the MoE layers), or the first and last groups' counts (0: not
+  # set) with the other groups as even as possible; by default all as even as possible, the
+  # earlier groups taking one more layer where they cannot be equal (3 layers, 2 stages: 2 + 1).
+  pipeline_layers: tuple[int, ...] = ()
+  pipeline_first: int = 0
+  pipeline_last: int = 0
+
+  def layer_groups(self, num_layers: int) -> tuple[int, ...]:
+    """The MoE layers of each group (virtual stage), in order g = r * pipeline + s; a
+    ConfigError says why `num_layers` cannot be split as asked."""
+    groups = self.pipeline * self.pipeline_repeats
+    where = f"parallel.pipeline x parallel.pipeline_repeats = {groups} groups"
+    if self.pipeline_layers:
+      counts = tuple(self.pipeline_layers)
+      if self.pipeline_first or self.pipeline_last:
+        raise ConfigError("parallel.pipeline_layers lists every group's layers: leave "
+                          "parallel.pipeline_first and parallel.pipeline_last at 0 with it")
+      if len(counts) != groups:
+        raise ConfigError(f"parallel.pipeline_layers {list(counts)} has {len(counts)} entries for "
+                          f"{where}: give one count per group")
+      if min(counts) < 1:
+        raise ConfigError(f"parallel.pipeline_layers {list(counts)}: every group needs at least "
+                          f"one layer")
+      if sum(counts) != num_layers:
+        raise ConfigError(f"parallel.pipeline_layers {list(counts)} sums to {sum(counts)}, but "
+                          f"the model has {num_layers} MoE layers")
+      return counts
+    if num_layers < groups:
+      raise ConfigError(f"the {num_layers} MoE layers cannot fill {where}: each group needs at "
+                        f"least one layer; use fewer stages or repeats")
+    ends = {k: v for k, v in (("first", self.pipeline_first), ("last", self.pipeline_last)) if v}
+    named = " + ".join(f"parallel.pipeline_{k} ({v})" for k, v in ends.items())
+    middle, rest = groups - len(ends), num_layers - sum(ends.values())
+    if rest < 0:
+      raise ConfigError(f"{named} is more than the {num_layers} MoE layers")
+    if middle == 0 and rest:
+      raise ConfigError(f"{named} must sum to the {num_layers} MoE layers: the {groups} groups "
+                        f"are the first and the last")
+    if rest < middle:
+      raise ConfigError(f"{named} leaves {rest} of the {num_layers} MoE layers for the other "
+                        f"{middle} of the {where}, which need at least one each")
+    even = [rest // middle + (i < rest % middle) for i in range(middle)] if middle else []
+    return (*([ends["first"]] if "first" in ends else []), *even,
+            *([ends["last"]] if "last" in ends else []))
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,8 @@ RANGES = {
        for group, names in (("dense", ("data", "fsdp", "context", "tensor")),
                             ("expert", ("data", "expert", "tensor"))) for name in names},
     "parallel.pipeline": Range("[1, INT]"), "parallel.pipeline_repeats": Range("[1, INT]"),
+    **{f"parallel.pipeline_{end}": Range("[0, INT]", "0: as even as possible")
+       for end in ("first", "last")},
     "train.steps": Range("[1, INT]"), "train.batch_size": Range("[1, INT]"),
     "train.micro_batch_size": Range("[0, INT]", "0: the whole batch at once"),
     "train.seed": Range("[0, INT]"), "train.lr": Range("(0, inf)"),
@@ -270,16 +272,19 @@ def _pipeline(config: Config):
   if p.pipeline == 1:
     if p.pipeline_repeats > 1:
       yield "parallel.pipeline_repeats > 1 needs pipeline stages: set parallel.pipeline > 1"
+    if p.pipeline_layers or p.pipeline_first or p.pipeline_last:
+      yield ("parallel.pipeline_layers, pipeline_first and pipeline_last assign layers to "
+             "pipeline stages: set parallel.pipeline > 1")
     return
   moe_layers = config.model.num_layers - config.moe.first_k_dense
-  groups = p.pipeline * p.pipeline_repeats
   if moe_layers <= 0:
     yield ("parallel.pipeline splits the MoE layers into stages, and this model has none "
            "(moe.first_k_dense = model.num_layers)")
-  elif moe_layers % groups:
-    yield (f"the {moe_layers} MoE layers do not split into parallel.pipeline x "
-           f"parallel.pipeline_repeats = {groups} equal groups; choose stages and repeats whose "
-           f"product divides {moe_layers}")
+  elif p.pipeline_first >= 0 and p.pipeline_last >= 0:  # (else their ranges are reported)
+    try:
+      p.layer_groups(moe_layers)
+    except ConfigError as e:
+      yield str(e)
   micro = config.train.num_micro_batches
   if p.pipeline_repeats > 1 and micro < p.pipeline:
     yield (f"circular stages (parallel.pipeline_repeats > 1) need at least as many micro-batches "

@@ -93,13 +93,14 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
   kinds = _state_kinds(spec.abstract) + ["batch"]
   # Weight-shaped values (gradients, weights cast for compute) are placed like the weights.
   weights: dict[tuple[int, ...], tuple[int, Any]] = {}
+  moe_layers = config.model.num_layers - config.moe.first_k_dense
   for leaf, sharding in zip(jax.tree.leaves(spec.abstract.params),
                             jax.tree.leaves(spec.shardings.params)):
     d = divisor(sharding.spec, mesh)
     weights.setdefault(tuple(leaf.shape), (d, leaf.dtype))
     if leaf.ndim > 2:  # a stacked layer's slice, as the scan over layers sees it
       weights.setdefault(tuple(leaf.shape[1:]), (d, leaf.dtype))
-    for shape in _stage_shapes(leaf.shape, sharding.spec, layout):
+    for shape in _stage_shapes(leaf.shape, sharding.spec, layout, moe_layers):
       weights.setdefault(shape, (d, leaf.dtype))
 
   env = {v: Value(nbytes(v.aval, d), d, kind) for v, d, kind in zip(jaxpr.invars, splits, kinds)}
@@ -140,17 +141,17 @@ def function_peak(fn, *args, platform: str = "gpu") -> int:
   return Walker({}, {}, platform).walk(jaxpr, env).peak
 
 
-def _stage_shapes(shape, spec, layout: Layout) -> list[tuple[int, ...]]:
+def _stage_shapes(shape, spec, layout: Layout, moe_layers: int) -> list[tuple[int, ...]]:
   """The shapes pipeline stages regroup a stacked layer weight into (jmoe/model/pipeline.py):
-  [R, L / (S R), S, ...] for the whole stack, [L / (S R), S, ...] for one repeat and [S, ...]
-  for one layer of every stage (the stages' programs run as one, vmapped over the stage axis)."""
+  [R, W, S, ...] for the whole stack (W: the largest group's layers, the slots every stage
+  holds), [W, S, ...] for one repeat and [S, ...] for one layer of every stage (the stages'
+  programs run as one, vmapped over the stage axis)."""
   S, R = layout.stages, layout.repeats
-  first = spec[0] if spec else None
-  first = first if isinstance(first, tuple) else (first,)
-  if S == 1 or len(shape) < 3 or not set(first) & set(layout.stage_axes):
+  split = {a for entry in spec for a in (entry if isinstance(entry, tuple) else (entry,))}
+  if S == 1 or len(shape) < 3 or shape[0] != moe_layers or not split & set(layout.stage_axes):
     return []
-  per_group = shape[0] // (S * R)
-  return [(R, per_group, S, *shape[1:]), (per_group, S, *shape[1:]), (S, *shape[1:])]
+  width = max(layout.layer_groups(moe_layers))
+  return [(R, width, S, *shape[1:]), (width, S, *shape[1:]), (S, *shape[1:])]
 
 
 # Each TrainState field's category; the fields flatten in this (their declaration) order.

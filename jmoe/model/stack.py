@@ -31,12 +31,14 @@ def depth(stack: nnx.Module) -> int:
 
 
 def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array | None = None,
-              first_layer: int | jax.Array = 0, unroll: int = 1, keys: jax.Array | None = None):
+              first_layer: int | jax.Array = 0, unroll: int = 1, keys: jax.Array | None = None,
+              active: jax.Array | None = None):
   """Runs x through every layer: `x, y = layer(x, *args, rng=key, layer=index)`, each layer with
   its own key (from `keys`, one per layer, or split from `rng`; or None) and its index in the
   whole model (the stack starting at `first_layer`); returns the last x and the stacked ys.
   `unroll` layers run per iteration of the loop (as many as the stack has: straight-line code,
-  no loop buffers to fill)."""
+  no loop buffers to fill). `active`: a bool per layer; one that is False is skipped (x passes
+  unchanged, its y is zeros), as pipeline stages mask the slots their group lacks."""
   graphdef, state = nnx.split(stack)
   num_layers = depth(stack)
   if keys is None and rng is not None:
@@ -44,8 +46,11 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
   indices = first_layer + jnp.arange(num_layers)
 
   def body(carry, layer):
-    layer_state, key, index = layer
-    return nnx.merge(graphdef, layer_state)(carry, *args, rng=key, layer=index)
+    layer_state, key, index, on = layer
+    x, y = nnx.merge(graphdef, layer_state)(carry, *args, rng=key, layer=index)
+    if on is None:
+      return x, y
+    return jnp.where(on, x, carry), jax.tree.map(lambda a: jnp.where(on, a, 0), y)
 
   policy = REMAT_POLICIES[remat]
   unroll = min(unroll, num_layers)
@@ -53,7 +58,7 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
     # Inside a loop iteration XLA cannot merge the recomputation with the forward pass; across
     # unrolled layers it could, undoing the remat, unless told not to.
     body = jax.checkpoint(body, policy=policy, prevent_cse=unroll > 1)
-  return jax.lax.scan(body, x, (state, keys, indices), unroll=unroll)
+  return jax.lax.scan(body, x, (state, keys, indices, active), unroll=unroll)
 
 
 def decode_stack(stack: nnx.Module, x, positions_BS, cache: dict, first_layer: int = 0):

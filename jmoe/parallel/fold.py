@@ -37,6 +37,7 @@ class Folding:
   stage: tuple[str, ...] = ()  # the pipeline's mesh axis (none without stages)
   stages: int = 1
   repeats: int = 1  # layer groups per stage
+  parallel: ParallelConfig = ParallelConfig()  # what was asked for (its layers per group)
 
 
 def resolve(group: str, sizes: dict[str, int], num_devices: int, stages: int = 1
@@ -107,4 +108,4 @@ def fold(cfg: ParallelConfig, num_devices: int) -> Folding:
                  dense={k: tuple(v) for k, v in dense_axes.items()},
                  expert={k: tuple(v) for k, v in expert_axes.items()},
                  dense_sizes=dense, expert_sizes=expert, stage=stage, stages=stages,
-                 repeats=cfg.pipeline_repeats)
+                 repeats=cfg.pipeline_repeats, parallel=cfg)

@@ -9,6 +9,7 @@ import math
 from typing import Any, Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -51,6 +52,13 @@ class Layout:
   def repeats(self) -> int:
     return self.folding.repeats
 
+  def layer_groups(self, num_layers: int) -> tuple[int, ...]:
+    """The layers of each group of the stack the stages split (stage s, repeat r: group
+    r S + s), in layer order; one group without stages."""
+    if self.stages == 1:
+      return (num_layers,)
+    return self.folding.parallel.layer_groups(num_layers)
+
   def inside_stages(self) -> Layout:
     return dataclasses.replace(self, inside=True)
 
@@ -61,6 +69,18 @@ class Layout:
     spec = P(self.stage_axes, *([P.UNCONSTRAINED] * (x.ndim - 1)))
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
+  def next_stage(self, x: jax.Array, *, wrap: bool = False) -> jax.Array:
+    """x (leading axis over the stages) handed on: stage s + 1 gets stage s's slice, stage 0
+    zeros (`wrap`: the last stage's). One collective-permute of a stage's slice per stage
+    boundary, where a roll over the stage axis also sends the slice that stage 0 drops."""
+    if not self.stage_axes:
+      return jnp.roll(x, 1, axis=0) if wrap else jnp.zeros_like(x)
+    axis, S = self.stage_axes, self.stages
+    pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if wrap else [])
+    spec = P(axis)
+    return jax.shard_map(lambda block: jax.lax.ppermute(block, axis, pairs), mesh=self.mesh,
+                         in_specs=spec, out_specs=spec, axis_names=set(axis))(x)
+
   @property
   def _batch_stage(self) -> tuple[str, ...]:
     """The stage axis where it splits the batch: outside the stages' programs."""
@@ -70,12 +90,15 @@ class Layout:
   def param_spec(self, axes: Sequence[str | None], shape: Sequence[int], *,
                  stored: bool = True) -> P:
     """Where a weight is kept; `stored=False`: without the axes that only store it."""
-    # Weights outside the stages are FSDP-sharded over the stage axis too.
-    more = () if "stage_layers" in axes else self.stage_axes
+    # Weights outside the stages are FSDP-sharded over the stage axis too, and so is a stack
+    # whose layers the stages do not divide (uneven groups: each step gathers a stage's own).
+    layers = dict(zip(axes, shape)).get("stage_layers")
+    by_layers = layers is not None and layers % self.stages == 0
+    more = () if by_layers else self.stage_axes
 
     def mesh_axes(name):
       if name == "stage_layers":
-        return self.stage_axes if stored else ()
+        return self.stage_axes if stored and by_layers else ()
       if name in rules.EXPERT_PARAMS:
         role = rules.EXPERT_PARAMS[name]
         if role == "data":

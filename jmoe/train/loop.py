@@ -22,7 +22,7 @@ from jmoe.config.resume import changed, model_settings, recorded, saved_with
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
-from jmoe.model.pipeline import bubble_fraction
+from jmoe.model.pipeline import bubble_fraction, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, make_layout
@@ -127,8 +127,9 @@ class Trainer:
     if layout.stages > 1:
       micro = config.train.num_micro_batches
       log.info("pipeline: %d micro-batches through %d stages x %d repeat(s): bubble %.1f%% "
-               "((S - 1) / (R M + S - 1))", micro, layout.stages, layout.repeats,
-               100 * bubble_fraction(layout.stages, layout.repeats, micro))
+               "((S - 1) / (R M + S - 1)); %s", micro, layout.stages, layout.repeats,
+               100 * bubble_fraction(layout.stages, layout.repeats, micro),
+               slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save)
