@@ -29,6 +29,7 @@ RESUMABLE = (
     "precision",  # compute and GEMM dtypes (storage dtypes are held by the state's shapes)
     "checkpoint",  # cadence; load_params starts only a new run (LoRA's base: its fingerprint)
     "model.attention_kernel", "model.scan_unroll",  # kernels, and the layer loop's unrolling
+    "model.attention_max_documents",  # which kernel takes a packed batch (both exact)
     "model.init_std",  # only draws a new model's weights
     "model.family",  # the Hugging Face names for conversion (export checks that they fit)
     # How tokens reach their experts and which kernel multiplies them; none is dropped by them.

@@ -52,6 +52,10 @@ class ModelConfig:
   attention: str = "gqa"  # gqa (grouped-query) | mla (multi-head latent, see `mla`)
   # auto: cuDNN's fused attention on GPUs for bf16/fp16, XLA's elsewhere | cudnn | xla
   attention_kernel: str = "auto"
+  # cuDNN's attention on packed rows takes rows of up to this many documents (a batch with a row
+  # of more runs XLA's kernel, a block of queries at a time, exact but slower); cuDNN's memory
+  # and work grow with it (B x this many sequences of S tokens)
+  attention_max_documents: int = 16
   mla: MLAConfig = field(default_factory=MLAConfig)
   yarn: YarnConfig = field(default_factory=YarnConfig)
   qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)

@@ -81,6 +81,7 @@ RANGES = {
     "model.sliding_window": Range("[0, INT]", "0: no window"),
     "model.full_attention_every": Range("[0, INT]", "0: every layer windowed"),
     "model.mtp_depth": Range("[0, INT]"), "model.scan_unroll": Range("[1, INT]"),
+    "model.attention_max_documents": Range("[1, INT]"),
     "model.mla.q_lora_rank": Range("[0, INT]", "0: no query latent"),
     "model.mla.kv_lora_rank": Range("[1, INT]"), "model.mla.qk_nope_head_dim": Range("[1, INT]"),
     "model.mla.qk_rope_head_dim": Range("[1, INT]"), "model.mla.v_head_dim": Range("[1, INT]"),

@@ -105,7 +105,8 @@ class Attention(nnx.Module):
     return attention(q_BSHA, k_BSGA, v_BSGA, scale=softmax_scale(cfg.head_dim, cfg.yarn),
                      kernel=cfg.attention_kernel, window=cfg.sliding_window,
                      windowed=cfg.windowed(layer), segment_ids=segment_ids_BS,
-                     sinks=None if self.sinks_H is None else self.sinks_H[...])
+                     sinks=None if self.sinks_H is None else self.sinks_H[...],
+                     max_documents=cfg.attention_max_documents)
 
   def _masked(self, q_BSHA, k_BTGA, v_BTGA, allowed_B1ST):
     """Attention where `allowed_B1ST` says which keys each query sees, and the sinks."""

@@ -110,7 +110,7 @@ class MLAttention(nnx.Module):
     scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.yarn)
     if allowed_B1ST is None:  # values as they are: the kernels take a value head dim of its own
       out_BSHW = attention(q_BSHA, k_BTHA, v_BTHW, scale=scale, kernel=cfg.attention_kernel,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, max_documents=cfg.attention_max_documents)
     else:
       out_BSHW = masked_attention(q_BSHA, k_BTHA, v_BTHW, allowed_B1ST, scale=scale)
     out_BSHW = checkpoint_name(constrain(out_BSHW, Q_AXES), "attention_out")

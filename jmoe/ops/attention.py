@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
-from jmoe.ops.attention_kernels import CUDNN, XLA, AttentionKernel, in_documents
+from jmoe.ops.attention_kernels import (CUDNN, MAX_DOCUMENTS, XLA, AttentionKernel, cudnn_kernel,
+                                        in_documents)
 
 log = logging.getLogger("jmoe")
 F32 = jnp.float32
@@ -101,12 +102,14 @@ _attention.defvjp(_forward, _backward)
 
 def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale: float,
               kernel: str = "auto", window: int = 0, windowed=True,
-              segment_ids: jax.Array | None = None, sinks: jax.Array | None = None) -> jax.Array:
+              segment_ids: jax.Array | None = None, sinks: jax.Array | None = None,
+              max_documents: int = MAX_DOCUMENTS) -> jax.Array:
   """Causal attention [B, S, H, W] of queries [B, S, H, A] over keys [B, S, G, A] and values
   [B, S, G, W] (query head h reads key head h // (H / G)). `window`: each query sees its last
   `window` keys, itself included (0: all before it), where `windowed` (a bool, or a traced one)
   holds. `segment_ids` [B, S]: within each packed document only. `sinks` [H]: each head's sink
-  logit (see the module doc)."""
+  logit (see the module doc). `max_documents`: the most documents a packed row has for cuDNN's
+  packed form (a batch with more takes XLA's kernel)."""
   if kernel == "auto":
     kernel = auto_kernel(jax.default_backend(), q_BSHA.dtype)
   chosen = choice("model.attention_kernel", kernel, ATTENTION_KERNELS)
@@ -114,6 +117,8 @@ def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale:
   if reason is not None:
     _refused(reason)
     chosen = XLA
+  elif chosen is CUDNN and segment_ids is not None:
+    chosen = cudnn_kernel(max_documents)
   if not window or isinstance(windowed, bool):  # known now: no branch at run time
     window, windowed = (window if windowed else 0), None
   else:

@@ -19,21 +19,24 @@ differ from the query/key head dim A (multi-head latent attention).
   cudnn  cuDNN's flash kernels through JAX's own binding (its forward with the statistics, its
          backward primitive fed jmoe's); packed documents as cuDNN's packed-sequence form (each
          document's offset and length, whole blocks across documents skipped), with more than
-         MAX_SEGMENTS documents in a row taking XLA's kernel in a branch, a block of
-         FALLBACK_BLOCK queries at a time
+         `max_documents` documents in a row (model.attention_max_documents) taking XLA's
+         kernel in a branch, a block of FALLBACK_BLOCK queries at a time. cuDNN sizes its work
+         for B x max_documents sequences of S tokens each (its backward's float32 dQ
+         accumulator and statistics): 64 cost a packed Qwen3-30B-A3B step 14 GiB and 6%
   xla    einsums over the [S, T] scores with the pattern as a mask; any platform, the reference
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
-MAX_SEGMENTS = 64  # documents per row that cuDNN's packed form takes here
+MAX_DOCUMENTS = 16  # documents per row that cuDNN's packed form takes, unless told
 # Queries per block of the branch that takes rows of more documents: the branch's buffers are
 # held whether it runs or not, and [S, S] scores per head would be most of a packed step's memory.
 FALLBACK_BLOCK = 256
@@ -188,16 +191,17 @@ def packed_segments(segment_ids_BS: jax.Array, max_segments: int):
 
 def _statistics_index(segment_ids_BS, offsets_BM1, documents_B):
   """Where each token's softmax statistic lies in cuDNN's packed statistics [N, H, S], N = B x
-  MAX_SEGMENTS: the documents of all rows one after another (row 0's first), each document's
+  M (M + 1 = offsets_BM1's width): the documents of all rows one after another (row 0's first), each document's
   tokens from its own start. Returns (document_BS, within_BS), the index of the token's document
   in that order and its place in it; a padding token's document is N (past the end)."""
   batch, seq = segment_ids_BS.shape
+  most = offsets_BM1.shape[1] - 1
   changes_BS = jnp.pad(segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1], ((0, 0), (1, 0)))
   in_row_BS = jnp.cumsum(changes_BS, axis=1)  # the token's document among its row's
   before_B1 = (jnp.cumsum(documents_B) - documents_B)[:, None]
-  first_BS = jnp.take_along_axis(offsets_BM1, jnp.clip(in_row_BS, 0, MAX_SEGMENTS - 1), axis=1)
+  first_BS = jnp.take_along_axis(offsets_BM1, jnp.clip(in_row_BS, 0, most - 1), axis=1)
   in_document_BS = segment_ids_BS > 0
-  document_BS = jnp.where(in_document_BS, before_B1 + in_row_BS, batch * MAX_SEGMENTS)
+  document_BS = jnp.where(in_document_BS, before_B1 + in_row_BS, batch * most)
   within_BS = jnp.where(in_document_BS, jnp.arange(seq)[None] - first_BS, 0)
   return document_BS, within_BS
 
@@ -233,26 +237,29 @@ def _cudnn_refusal(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, window):
   return None
 
 
-def _cudnn_call(segment_ids_BS, window):
+def _cudnn_call(segment_ids_BS, window, max_documents):
   """The sequence-length and offset arguments and the mask type of a cuDNN call."""
   cudnn = _cudnn_module()
   kw = dict(sliding_window_length=window or None, mask_type=cudnn.MaskType.CAUSAL)
   if segment_ids_BS is None:
     return kw, None
-  lengths_BM, offsets_BM1, documents_B = packed_segments(segment_ids_BS, MAX_SEGMENTS)
+  lengths_BM, offsets_BM1, documents_B = packed_segments(segment_ids_BS, max_documents)
   kw.update(q_seqlen=lengths_BM, kv_seqlen=lengths_BM, q_offsets=offsets_BM1,
             kv_offsets=offsets_BM1, mask_type=cudnn.MaskType.PADDING_CAUSAL)
   return kw, (offsets_BM1, documents_B)
 
 
 def _packed_fits(packed):
-  """Whether every row has at most MAX_SEGMENTS documents (else XLA's kernel runs)."""
-  return jnp.max(packed[1]) <= MAX_SEGMENTS
+  """Whether every row has at most as many documents as cuDNN's call takes (else XLA's kernel
+  runs)."""
+  offsets_BM1, documents_B = packed
+  return jnp.max(documents_B) <= offsets_BM1.shape[1] - 1
 
 
-def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window):
+def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window,
+                   max_documents=MAX_DOCUMENTS):
   cudnn = _cudnn_module()
-  kw, packed = _cudnn_call(segment_ids_BS, window)
+  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
 
   def fused(q, k, v):
     out, stats = cudnn.dot_product_attention(q, k, v, scale=scale, return_residual=True, **kw)
@@ -273,17 +280,17 @@ def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window
 
 
 def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None,
-                    *, scale, window):
+                    *, scale, window, max_documents=MAX_DOCUMENTS):
   cudnn = _cudnn_module()
-  kw, packed = _cudnn_call(segment_ids_BS, window)
+  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
   unused = jnp.zeros(0, q_BSHA.dtype)
 
   def fused(q, k, v, out, lse_BHS, dout):
     stats = lse_BHS
-    if packed is not None:  # back to cuDNN's packed order: [B x MAX_SEGMENTS, H, S]
+    if packed is not None:  # back to cuDNN's packed order: [B x max_documents, H, S]
       b, s, h = q.shape[0], q.shape[1], q.shape[2]
       document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
-      stats = jnp.zeros((b * MAX_SEGMENTS, h, s), F32).at[
+      stats = jnp.zeros((b * max_documents, h, s), F32).at[
           document_BS[:, None, :], jnp.arange(h)[None, :, None], within_BS[:, None, :]].set(
               lse_BHS, mode="drop")
     args = [kw.get(name, unused) for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")]
@@ -307,3 +314,13 @@ def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segmen
 
 
 CUDNN = AttentionKernel(_cudnn_forward, _cudnn_backward, _cudnn_refusal)
+
+
+@functools.cache
+def cudnn_kernel(max_documents: int) -> AttentionKernel:
+  """cuDNN's kernels taking packed rows of up to `max_documents` documents in its packed form."""
+  if max_documents == MAX_DOCUMENTS:
+    return CUDNN
+  return AttentionKernel(functools.partial(_cudnn_forward, max_documents=max_documents),
+                         functools.partial(_cudnn_backward, max_documents=max_documents),
+                         _cudnn_refusal)
