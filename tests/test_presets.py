@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmoe.config import load_config
+from jmoe.config import load_config, to_dict
 from jmoe.model.factory import model_factory
 from jmoe.train.flops import model_flops_per_token
 
@@ -18,9 +18,14 @@ PUBLISHED = {  # config file: (total, active) parameters as their authors state 
     "mixtral_8x7b.py": (46.7e9, 12.9e9),
     "deepseek_v3.py": (671e9, 37e9),
     "gpt_oss_20b.py": (20.9e9, 3.6e9),
+    "gpt_oss_120b.py": (116.8e9, 5.1e9),
+    "kimi_k2.py": (1.04e12, 32.6e9),  # the technical report's counts (the model card: 1T, 32B)
 }
 # OpenAI's active count leaves out the input embedding (a lookup, no compute); the others keep it.
-ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_20b.py"}
+ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_20b.py", "gpt_oss_120b.py"}
+# Kimi K2's report does not say what its 1.04T counts; jmoe counts 1.026T in the released model's
+# weights (which hold no multi-token prediction layer), 1.3% less.
+TOTAL_TOLERANCE = {"kimi_k2.py": 0.015}
 
 
 def count(config, with_embedding=True):
@@ -41,12 +46,13 @@ def test_parameter_counts_match_published(name):
   total, active = count(load_config(ROOT / "configs" / name),
                         with_embedding=name not in ACTIVE_WITHOUT_EMBEDDING)
   published_total, published_active = PUBLISHED[name]
-  assert abs(total / published_total - 1) < 0.01, total
+  assert abs(total / published_total - 1) < TOTAL_TOLERANCE.get(name, 0.01), total
   assert abs(active / published_active - 1) < 0.02, active
 
 
 @pytest.mark.parametrize("name", ["tiny_moe.py", "tiny_qwen3_moe.py", "tiny_mixtral.py",
-                                  "tiny_deepseek_v3.py", "tiny_gpt_oss.py"])
+                                  "tiny_deepseek_v3.py", "tiny_gpt_oss.py",
+                                  "tiny_kimi_k2.py"])
 def test_tiny_presets_load(name):
   config = load_config(ROOT / "configs" / name)
   assert config.moe.num_experts % 8 == 0 and config.train.batch_size % 8 == 0
@@ -85,3 +91,33 @@ def test_gpt_oss_bench_keeps_the_gpt_oss_layer():
   assert (c.moe.num_experts, c.moe.top_k) == (32, 4)
   assert (c.model.num_layers, c.train.batch_size, c.data.seq_len) == (8, 2, 4096)
   assert c.precision.moments == "bfloat16" and c.model.scan_unroll == 8
+
+
+def _differences(a, b, prefix=""):
+  """The dotted keys where two config dicts differ."""
+  out = set()
+  for key in a.keys() | b.keys():
+    x, y = a.get(key), b.get(key)
+    if isinstance(x, dict) and isinstance(y, dict):
+      out |= _differences(x, y, f"{prefix}{key}.")
+    elif x != y:
+      out.add(prefix + key)
+  return out
+
+
+def test_kimi_k2_is_deepseek_v3_but_for_its_published_settings():
+  kimi, deepseek = (load_config(ROOT / "configs" / name) for name in ("kimi_k2.py",
+                                                                       "deepseek_v3.py"))
+  assert _differences(to_dict(kimi), to_dict(deepseek)) == {
+      "model.vocab_size", "model.num_heads", "model.num_kv_heads", "model.rope_theta",
+      "model.mtp_depth", "model.yarn.factor", "model.yarn.beta_fast", "moe.num_experts",
+      "moe.first_k_dense", "moe.router.scaling_factor", "moe.router.num_groups",
+      "moe.router.topk_groups"}
+  assert (kimi.model.num_heads, kimi.moe.num_experts, kimi.moe.router.num_groups) == (64, 384, 1)
+
+
+def test_gpt_oss_120b_is_gpt_oss_20b_deeper_and_wider():
+  big, small = (load_config(ROOT / "configs" / name) for name in ("gpt_oss_120b.py",
+                                                                   "gpt_oss_20b.py"))
+  assert _differences(to_dict(big), to_dict(small)) == {"model.num_layers", "moe.num_experts"}
+  assert (big.model.num_layers, big.moe.num_experts, big.moe.top_k) == (36, 128, 4)
