@@ -1,12 +1,12 @@
 """Kimi K2 (Moonshot AI; checkpoints declare DeepseekV3ForCausalLM with model_type kimi_k2): the
-DeepSeek-V3 architecture, wider and with fewer heads. 61 layers (the first dense), multi-head
+DeepSeek-V3 architecture with more experts and fewer heads. 61 layers (the first dense), multi-head
 latent attention with 64 heads, 384 routed experts of 2048 + 1 shared, top-8 by sigmoid scores
-with a selection bias and no expert groups; YaRN by 32 from 4K. 1T total, 32B active parameters
-(the model card's rounded counts; jmoe counts 1.026T / 32.5B). No multi-token prediction module
-in the released checkpoints. Published hyperparameters.
+with a selection bias and no expert groups; YaRN by 32 from 4K; no multi-token prediction module
+in the released checkpoints. 1T total, 32B active parameters as the model card rounds them (the
+technical report: 1.04T / 32.6B; jmoe counts 1.026T / 32.9B). Published hyperparameters.
 
-Sources: config.json of moonshotai/Kimi-K2-Instruct and Kimi-K2-Base on Hugging Face (the
-July 2025 release) for every field below; the Kimi K2 technical report (arXiv 2507.20534) for the
+Sources: config.json of moonshotai/Kimi-K2-Instruct on Hugging Face (the first release, July
+2025; later ones stretch YaRN to 64) for every field below; the Kimi K2 technical report (arXiv 2507.20534) for the
 training recipe (MuonClip, not in jmoe yet: see issue 36). What jmoe does not take from config.json
 (its loss weights) follows DeepSeek-V3's recipe, as import does.
 """
