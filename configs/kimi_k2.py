@@ -6,9 +6,9 @@ in the released checkpoints. 1T total, 32B active parameters as the model card r
 technical report: 1.04T / 32.6B; jmoe counts 1.026T / 32.9B). Published hyperparameters.
 
 Sources: config.json of moonshotai/Kimi-K2-Instruct on Hugging Face (the first release, July
-2025; later ones stretch YaRN to 64) for every field below; the Kimi K2 technical report (arXiv 2507.20534) for the
-training recipe (MuonClip, not in jmoe yet: see issue 36). What jmoe does not take from config.json
-(its loss weights) follows DeepSeek-V3's recipe, as import does.
+2025; later ones stretch YaRN to 64) for every field below; the Kimi K2 technical report (arXiv
+2507.20534) for the training recipe (MuonClip, not in jmoe yet: see issue 36). What jmoe does not
+take from config.json (its loss weights) follows DeepSeek-V3's recipe, as import does.
 """
 
 from jmoe.config import defaults
