@@ -7,7 +7,9 @@ same log-probs.
 """
 
 import json
+import logging
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -22,7 +24,7 @@ from jmoe.checkpoint.hf import export_hf, import_hf
 from jmoe.checkpoint.hf_files import SafetensorsReader
 from jmoe.checkpoint.hf_families import check_exportable
 from jmoe.checkpoint.params import load_model
-from jmoe.config import ConfigError, ParallelConfig
+from jmoe.config import ConfigError, ParallelConfig, load_config
 from jmoe.parallel import make_layout
 from jmoe.inference.score import score
 from jmoe.train.loop import train
@@ -34,6 +36,15 @@ pytestmark = pytest.mark.skipif(not HF_PYTHON.exists(),
                                 reason="no reference Python: run scripts/hf_reference_env.sh")
 
 ROPE = lambda theta: {"rope_type": "default", "rope_theta": theta}
+
+
+def preset_hf_kwargs(name: str) -> dict:
+  """transformers config kwargs for a config file in configs/, as export-hf writes them."""
+  config = load_config(ROOT / "configs" / name)
+  hf = check_exportable(config.model, config.moe).to_hf(config.model, config.moe)
+  return {k: v for k, v in hf.items() if k not in ("architectures", "model_type")}
+
+
 FAMILIES = {  # name: (family, transformers config kwargs, max_shard_size)
     "qwen3_moe": ("qwen3_moe", dict(
         vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -75,6 +86,8 @@ FAMILIES = {  # name: (family, transformers config kwargs, max_shard_size)
         num_attention_heads=4, num_key_value_heads=4, head_dim=8, num_local_experts=4,
         num_experts_per_tok=1, layer_types=["full_attention", "full_attention"],
         rope_parameters=ROPE(10000.0), rms_norm_eps=1e-5), None),
+    # Kimi K2 at CPU size: no expert groups, routed scaling 2.827, YaRN with beta_fast 1
+    "kimi_k2_tiny": ("deepseek_v3", preset_hf_kwargs("tiny_kimi_k2.py"), "1MB"),
     "mixtral_window": ("mixtral", dict(
         vocab_size=80, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
         num_attention_heads=6, num_key_value_heads=3, head_dim=4, num_local_experts=6,
@@ -275,3 +288,64 @@ def test_gpt_oss_mxfp4_experts_dequantize_on_import_as_transformers_does(tmp_pat
   sequences = random_sequences(kwargs["vocab_size"])
   reference = hf_logprobs(tmp_path / "mx" / "dequantized", sequences, tmp_path)
   assert max_diff(jmoe_logprobs(tmp_path / "q", sequences), reference) < 1e-4
+
+
+KIMI_AUTO_MAP = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+
+
+def kimi_config_json(kwargs: dict) -> dict:
+  """The config.json Kimi K2's checkpoints have (moonshotai/Kimi-K2-Instruct) for the model that
+  DeepseekV3Config(**kwargs) describes: model_type kimi_k2 with the remote code's auto_map, the
+  original DeepSeek code's fields (rope_scaling with a "type" and rope_theta beside it, the
+  router's scoring and top-k method, its training settings), no rope_interleave or head_dim."""
+  hf = {k: v for k, v in kwargs.items() if k not in ("rope_parameters", "rope_interleave",
+                                                      "head_dim")}
+  rope = dict(kwargs["rope_parameters"])
+  assert rope.pop("rope_type") == "yarn" and rope.pop("truncate")  # Kimi's YaRN truncates
+  return dict(hf, architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2",
+              auto_map=KIMI_AUTO_MAP, rope_theta=rope.pop("rope_theta"),
+              rope_scaling=dict(rope, type="yarn"), scoring_func="sigmoid",
+              topk_method="noaux_tc", moe_layer_freq=1, num_nextn_predict_layers=0,
+              aux_loss_alpha=0.001, seq_aux=True, pretraining_tp=1, attention_dropout=0.0,
+              bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16",
+              transformers_version="4.48.3", use_cache=True)
+
+
+def test_a_kimi_k2_config_json_imports_as_deepseek_v3(tmp_path, caplog):
+  """Kimi K2's checkpoints hold DeepSeek-V3's tensors under a config.json of model_type kimi_k2,
+  which transformers has no class for: import reads it as DeepSeek-V3 with every field known, and
+  the model scores as transformers' DeepseekV3ForCausalLM does; export writes DeepSeek-V3, which
+  transformers runs without remote code. The released weights' FP8 quantization_config is
+  refused by name."""
+  _, kwargs, _ = FAMILIES["kimi_k2_tiny"]
+  hf("build", "deepseek_v3", tmp_path / "hf", 1, json.dumps(kwargs))
+  sequences = random_sequences(kwargs["vocab_size"], seed=2)
+  reference = hf_logprobs(tmp_path / "hf", sequences, tmp_path)
+  kimi = tmp_path / "kimi"
+  shutil.copytree(tmp_path / "hf", kimi)
+  (kimi / "config.json").write_text(json.dumps(kimi_config_json(kwargs)))
+
+  with caplog.at_level(logging.INFO, logger="jmoe"):
+    config = import_hf(kimi, tmp_path / "ckpt")
+  assert "model_type kimi_k2 is read as deepseek_v3" in caplog.text
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+  preset = load_config(ROOT / "configs" / "tiny_kimi_k2.py")
+  assert (config.model.family, config.model.mtp_depth) == ("deepseek_v3", 0)
+  assert (config.model.mla, config.model.yarn, config.model.rope_theta, config.moe.router) == (
+      preset.model.mla, preset.model.yarn, preset.model.rope_theta, preset.moe.router)
+  assert max_diff(jmoe_logprobs(tmp_path / "ckpt", sequences), reference) < 1e-4
+
+  export_hf(tmp_path / "ckpt", tmp_path / "back")
+  assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "deepseek_v3"
+  assert max_diff(hf_logprobs(tmp_path / "back", sequences, tmp_path), reference) < 1e-4
+
+  released = dict(kimi_config_json(kwargs), quantization_config={
+      "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+      "weight_block_size": [128, 128]})
+  (kimi / "config.json").write_text(json.dumps(released))
+  with pytest.raises(ConfigError, match=r"quantization_config \(quant_method 'fp8'\) is not "
+                                        r"supported: .*convert a dequantized copy"):
+    import_hf(kimi, tmp_path / "fp8")
+  assert not (tmp_path / "fp8").exists()

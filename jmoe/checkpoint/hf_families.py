@@ -42,6 +42,8 @@ class Family:
   # Fields of its config.json that do not change what transformers computes (derived ones,
   # training or parallelism settings of the original code), besides hf_fields.GENERIC
   ignored: frozenset = frozenset()
+  # Other model types whose config.json is this family's (read by its fields and defaults)
+  read_as: tuple[str, ...] = ()
 
 
 # ---- config.json -> jmoe: every field that changes what the model computes is read (with its
@@ -265,7 +267,11 @@ FAMILIES = {
                           _deepseek_to_hf, DEEPSEEK_DEFAULTS, moe_prefix="mlp",
                           expert_names=("gate_proj", "up_proj", "down_proj"), mtp_layers=True,
                           ignored=frozenset(("qk_head_dim", "pretraining_tp",
-                                             "aux_loss_alpha", "seq_aux", "ep_size"))),
+                                             "aux_loss_alpha", "seq_aux", "ep_size")),
+                          # Kimi K2's checkpoints: DeepSeek-V3's architecture and fields under a
+                          # model type of their own, which transformers reads as DeepSeek-V3's
+                          # too (models/kimi_k25/configuration_kimi_k25.py).
+                          read_as=("kimi_k2",)),
     "gpt_oss": Family("GptOssForCausalLM", "gpt_oss", _gpt_oss_to_jmoe, _gpt_oss_to_hf,
                       GPT_OSS_DEFAULTS, moe_prefix="mlp",
                       expert_names=("gate_up_proj", "gate_up_proj", "down_proj"),
@@ -277,8 +283,11 @@ FAMILIES = {
 
 def family_of_hf(hf: dict) -> Family:
   for family in FAMILIES.values():
-    if hf.get("model_type") == family.model_type or family.architecture in (
+    if hf.get("model_type") in (family.model_type, *family.read_as) or family.architecture in (
         hf.get("architectures") or []):
+      if hf.get("model_type") in family.read_as:
+        log.info("model_type %s is read as %s (%s)", hf["model_type"], family.model_type,
+                 family.architecture)
       return family
   raise ConfigError(
       f"unsupported architecture {hf.get('architectures')} (model_type {hf.get('model_type')!r}); "
