@@ -176,7 +176,7 @@ class TrainConfig:
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
   # adamw | muon: Muon (Newton-Schulz orthogonalised Nesterov momentum) for the hidden layers'
   # matrices, AdamW (b1, b2, eps above) for the rest; the same lr and weight decay carry over
-  # (docs/TRAINING.md). A resume keeps the optimizer its checkpoint was saved with.
+  # (docs/OPTIMIZER.md). A resume keeps the optimizer its checkpoint was saved with.
   optimizer: str = "adamw"
   muon_momentum: float = 0.95  # Muon's Nesterov momentum
   # Copy each layer-stacked gradient into one array before the optimizer update. Without the copy
