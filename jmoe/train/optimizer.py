@@ -13,8 +13,8 @@ Weight decay applies to GEMM weights and embeddings, not to norm scales or biase
 parameter's kind says which it is (jmoe/ops/params.py).
 
 Muon (train.optimizer = "muon") keeps one momentum per hidden matrix instead of AdamW's two
-moments: its state is about two thirds of AdamW's on a MoE model, whose expert matrices are most
-of it.
+moments: its state is about half of AdamW's on a MoE model, whose expert matrices are most of
+the parameters (docs/OPTIMIZER.md).
 """
 
 from __future__ import annotations
