@@ -168,3 +168,20 @@ def test_memory_estimate_counts_muons_state():
     state[optimizer] = estimate(config, make_layout(config.parallel)).by_category[
         "optimizer state"]
   assert state["adamw"] - state["muon"] > 0.9 * matrices / 8  # float32 moments over 8 devices
+
+
+def test_newton_schulz_placement_keeps_experts_and_lends_freed_axes_to_the_stack():
+  """EP 4 x EDP 2, FSDP 4 x DP 2: an expert stack keeps its experts where they are and takes the
+  expert-data axis its matrices free on its layer axis; a dense stack of 4 layers takes the FSDP
+  axis; one of 2 layers (FSDP 4 does not divide it) is gathered whole."""
+  from jax.sharding import PartitionSpec as P
+  layout = make_layout(tiny_config(parallel=LAYOUT).parallel)
+  experts = ("layers", "expert", "expert_embed", None, "expert_mlp")
+  assert layout.param_spec(experts, (2, 8, 32, 2, 16)) == P(None, "fsdp/expert", "data/data",
+                                                            None, None)
+  assert layout.whole_matrix_spec(experts, (2, 8, 32, 2, 16), [0, 0, 1, 0, 1]) == P(
+      "data/data", "fsdp/expert", None, None, None)
+  q = ("layers", "embed", "heads", "head_dim")
+  assert layout.whole_matrix_spec(q, (4, 32, 4, 8), [0, 1, 1, 1]) == P("fsdp/expert", None,
+                                                                       None, None)
+  assert layout.whole_matrix_spec(q, (2, 32, 4, 8), [0, 1, 1, 1]) == P(None, None, None, None)
