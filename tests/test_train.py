@@ -158,13 +158,14 @@ def test_bfloat16_moments_train_like_float32_moments(tmp_path):
   assert {str(p.dtype) for p in jax.tree.leaves(spec.abstract.params)} == {"float32"}
 
 
-def test_a_step_that_is_not_applied_changes_nothing():
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_step_that_is_not_applied_changes_nothing(optimizer):
   """A non-finite gradient's update is selected away: parameters, moments and the update count
   come out bit for bit as they went in (NaN gradients included)."""
   import jax.numpy as jnp
   from helpers import build
   from flax import nnx
-  config = tiny_config(precision=dict(moments="bfloat16"))
+  config = tiny_config(precision=dict(moments="bfloat16"), train=dict(optimizer=optimizer))
   params = nnx.state(build(config), nnx.Param)
   optimizer = make_optimizer(config.train, "bfloat16")
   grads = jax.tree.map(lambda x: jnp.ones_like(x), params)

@@ -7,8 +7,8 @@ records use this: the model settings its weights were trained with (`model_setti
 checkpoint's `run` item) and the data settings its input position depends on
 (jmoe/data/resume.py, in its `data` item).
 
-The model settings are every config field but those RESUMABLE allows to differ: a field added to
-the config later is held by default. Under another moe.top_k, router score, rope_theta, norm
+The model settings are every config field but those RESUMABLE allows to differ (HELD aside): a
+field added to the config later is held by default. Under another moe.top_k, router score, rope_theta, norm
 eps, capacity, activation or attention window the saved weights would compute something else,
 even where no array changes shape.
 """
@@ -40,9 +40,14 @@ RESUMABLE = (
 )
 
 
+# Fields inside those groups that a resume keeps all the same: the optimizer state's form
+# (another optimizer keeps other moments: Muon one per hidden matrix, AdamW two per parameter).
+HELD = ("train.optimizer",)
+
+
 def resumable(name: str) -> bool:
   """Whether the dotted config field `name` may differ from the checkpoint a run resumes."""
-  return any(name == allowed or name.startswith(allowed + ".") for allowed in RESUMABLE)
+  return name not in HELD and any(name == allowed or name.startswith(allowed + ".") for allowed in RESUMABLE)
 
 
 def model_settings(config: Config | Mapping) -> dict[str, Any]:

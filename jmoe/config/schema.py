@@ -209,6 +209,9 @@ class ParallelConfig:
             *([ends["last"]] if "last" in ends else []))
 
 
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer (jmoe/train/optimizer.py)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
   steps: int = 100
@@ -223,6 +226,11 @@ class TrainConfig:
   b2: float = 0.95
   eps: float = 1e-8
   grad_clip: float = 1.0  # global-norm clipping; 0 turns it off
+  # adamw | muon: Muon (Newton-Schulz orthogonalised Nesterov momentum) for the hidden layers'
+  # matrices, AdamW (b1, b2, eps above) for the rest; the same lr and weight decay carry over
+  # (docs/OPTIMIZER.md). A resume keeps the optimizer its checkpoint was saved with.
+  optimizer: str = "adamw"
+  muon_momentum: float = 0.95  # Muon's Nesterov momentum
   # Copy each layer-stacked gradient into one array before the optimizer update. Without the copy
   # XLA may fuse the stacking of the layers' gradients into the update, where it can compute the
   # update once per output (parameter, two moments): DeepSeek-V3's bench 274.6 -> 245.7 ms with

@@ -17,7 +17,7 @@ import math
 import re
 from typing import NamedTuple
 
-from jmoe.config.schema import LORA_TARGETS, Config
+from jmoe.config.schema import LORA_TARGETS, OPTIMIZERS, Config
 from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
 from jmoe.ops.attention import ATTENTION_KERNELS
@@ -114,7 +114,8 @@ RANGES = {
     "train.min_lr_ratio": Range("[0, 1]"), "train.warmup_steps": Range("[0, INT]"),
     "train.weight_decay": Range("[0, inf)"), "train.b1": Range("[0, 1)"),
     "train.b2": Range("[0, 1)"), "train.eps": Range("(0, inf)"),
-    "train.grad_clip": Range("[0, inf)", "0: off"), "train.mtp_loss_weight": Range("[0, inf)"),
+    "train.grad_clip": Range("[0, inf)", "0: off"), "train.muon_momentum": Range("[0, 1)"),
+    "train.mtp_loss_weight": Range("[0, inf)"),
     "train.log_every": Range("[1, INT]"), "train.max_bad_steps": Range("[1, INT]"),
     "train.eval_every": Range("[0, INT]", "0: no evaluation"),
     "data.seq_len": Range("[1, INT]"), "data.eval_fraction": Range("[0, 1)"),
@@ -203,6 +204,7 @@ def _train(config: Config):
   if t.warmup_steps >= t.steps:
     yield f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps) = [0, {t.steps})"
   yield from _one_of("train.remat", t.remat, REMAT_POLICIES)
+  yield from _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
 
 
 def _data(config: Config):

@@ -41,16 +41,18 @@ class MLAttention(nnx.Module):
     a = m.qk_nope_head_dim + m.qk_rope_head_dim
     kw = dict(std=std, dtype=param_dtype)
     if m.q_lora_rank:
-      self.w_q_a_DR = param(rngs, (d, m.q_lora_rank), ("embed", None), **kw)
+      self.w_q_a_DR = param(rngs, (d, m.q_lora_rank), ("embed", None), matrix="io", **kw)
       self.q_a_norm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
-      self.w_q_b_RHA = param(rngs, (m.q_lora_rank, h, a), ("latent", "heads", None), **kw)
+      self.w_q_b_RHA = param(rngs, (m.q_lora_rank, h, a), ("latent", "heads", None),
+                             matrix="ioo", **kw)
     else:
-      self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", None), **kw)
-    self.w_kv_a_DI = param(rngs, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None), **kw)
+      self.w_q_DHA = param(rngs, (d, h, a), ("embed", "heads", None), matrix="ioo", **kw)
+    self.w_kv_a_DI = param(rngs, (d, m.kv_lora_rank + m.qk_rope_head_dim), ("embed", None),
+                           matrix="io", **kw)
     self.kv_a_norm = RMSNorm(m.kv_lora_rank, LATENT_NORM_EPS, param_dtype=param_dtype, rngs=rngs)
     self.w_kv_b_RHY = param(rngs, (m.kv_lora_rank, h, m.qk_nope_head_dim + m.v_head_dim),
-                            ("latent", "heads", None), **kw)
-    self.w_o_HWD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), **kw)
+                            ("latent", "heads", None), matrix="ioo", **kw)
+    self.w_o_HWD = param(rngs, (h, m.v_head_dim, d), ("heads", None, "embed"), matrix="iio", **kw)
     weight = lambda name: getattr(self, name, None)
     self.lora = adapters(lora, "attention", rngs, w_q_a_DR=(weight("w_q_a_DR"), 1),
                          w_q_b_RHA=(weight("w_q_b_RHA"), 1), w_q_DHA=(weight("w_q_DHA"), 1),

@@ -19,9 +19,10 @@ class SwiGLU(nnx.Module):
     self.dtype = dtype
     self.fp8_in, self.fp8_out = fp8_site(fp8), fp8_site(fp8)
     # Gate and up projections are one weight, so they are one GEMM.
-    self.w_in_D2F = param(rngs, (d_model, 2, d_ff), ("embed", None, "mlp"), std=std,
+    self.w_in_D2F = param(rngs, (d_model, 2, d_ff), ("embed", None, "mlp"), std=std, matrix="ibo",
                           dtype=param_dtype)
-    self.w_out_FD = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=std, dtype=param_dtype)
+    self.w_out_FD = param(rngs, (d_ff, d_model), ("mlp", "embed"), std=std, dtype=param_dtype,
+                          matrix="io")
     self.lora = adapters(lora, "mlp", rngs, w_in_D2F=(self.w_in_D2F, 1),
                          w_out_FD=(self.w_out_FD, 1))
 

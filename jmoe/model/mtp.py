@@ -24,7 +24,8 @@ class MTPModule(nnx.Module):
     norm = lambda: RMSNorm(d, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
     self.embed_norm, self.hidden_norm, self.out_norm = norm(), norm(), norm()
-    self.w_proj_2DD = param(rngs, (2 * d, d), (None, "embed"), std=cfg.init_std, dtype=param_dtype)
+    self.w_proj_2DD = param(rngs, (2 * d, d), (None, "embed"), std=cfg.init_std, dtype=param_dtype,
+                            matrix="io")
     self.fp8_proj = fp8_site(fp8)
     self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8,
                        lora=lora)

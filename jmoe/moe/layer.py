@@ -82,9 +82,9 @@ class MoE(nnx.Module):
     self.expert_bias_E = (ExpertBias(jnp.zeros((e,), jnp.float32), axes=(None,))
                           if cfg.balance.bias_update_rate > 0 else None)
     self.w_in_ED2F = param(rngs, (e, d_model, 2, f), ("expert", "expert_embed", None, "expert_mlp"),
-                           std=std, dtype=param_dtype)
+                           std=std, dtype=param_dtype, matrix="bibo")
     self.w_out_EFD = param(rngs, (e, f, d_model), ("expert", "expert_mlp", "expert_embed"), std=std,
-                           dtype=param_dtype)
+                           dtype=param_dtype, matrix="bio")
     bias = lambda shape, axes: (param(rngs, shape, axes, std=0, dtype=param_dtype, kind="bias")
                                 if cfg.expert_bias else None)
     self.b_in_E2F = bias((e, 2, f), ("expert", None, "expert_mlp"))

@@ -6,6 +6,13 @@ The kind says what a parameter does, so that nothing downstream guesses it from 
   lookup  an embedding table read by index: weight decay; no FLOPs (unless tied to the head)
   scale   a norm's scale: no weight decay
   bias    added to activations or logits (biases, attention sinks): no weight decay
+
+A hidden layer's weight also says how it is a matrix, for Muon (jmoe/train/muon.py): `matrix`, a
+role letter per axis of its own shape: `i` the input side (contracted with the activations), `o`
+the output side, `b` an index over separate matrices (experts, fused gate/up). Axes a stack of
+layers adds in front are `b` too: the letters are read from the last axis back. Parameters
+without it (embeddings, the LM head, the router, norms, biases, LoRA factors) are not matrices
+to Muon.
 """
 
 from __future__ import annotations
@@ -22,11 +29,14 @@ DECAYED_KINDS = ("gemm", "lookup")
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], *,
-          std: float | None, dtype, kind: str = "gemm") -> nnx.Param:
-  """A parameter with its logical axis names (`axes`, for the sharding rules in jmoe/parallel/)
-  and its `kind` (above). std=None initialises to ones (norm scales), std=0 to zeros (biases)."""
+          std: float | None, dtype, kind: str = "gemm", matrix: str | None = None) -> nnx.Param:
+  """A parameter with its logical axis names (`axes`, for the sharding rules in jmoe/parallel/),
+  its `kind` and, for a hidden layer's weight, its `matrix` roles (above). std=None initialises
+  to ones (norm scales), std=0 to zeros (biases)."""
   assert len(shape) == len(axes), (shape, axes)
   assert kind in PARAM_KINDS, kind
+  assert matrix is None or (len(matrix) == len(shape) and set(matrix) <= set("bio")
+                            and "i" in matrix and "o" in matrix), (matrix, shape)
   if std is None:
     value = jnp.ones(shape, dtype)
   elif std == 0:
@@ -34,11 +44,20 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], axes: tuple[str | None, ...], 
   else:
     value = std * jax.random.truncated_normal(rngs.params(), -2.0, 2.0, shape, jnp.float32)
     value = value.astype(dtype)
-  return nnx.Param(value, axes=axes, kind=kind)
+  if matrix is None:
+    return nnx.Param(value, axes=axes, kind=kind)
+  return nnx.Param(value, axes=axes, kind=kind, matrix=matrix)
 
 
 def kind_of(variable: nnx.Variable) -> str:
   return variable.get_metadata()["kind"]
+
+
+def matrix_roles(variable: nnx.Variable) -> str | None:
+  """A role letter (`b`, `i`, `o`) per axis of the variable as it is (a stack's leading axes
+  `b`), or None where it is no matrix to Muon."""
+  roles = variable.get_metadata().get("matrix")
+  return None if roles is None else "b" * (variable.ndim - len(roles)) + roles
 
 
 # The logical axis a stack of layers' variables lead with (jmoe/model/stack.py; `stage_layers`

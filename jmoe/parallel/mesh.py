@@ -112,6 +112,26 @@ class Layout:
       return ()
     return self._spec([mesh_axes(a) if a else () for a in axes], shape)
 
+  def whole_matrix_spec(self, axes: Sequence[str | None], shape: Sequence[int],
+                        whole: Sequence[bool]) -> P:
+    """Where an operation that needs the dimensions marked `whole` unsplit (Muon's Newton-Schulz
+    on a stack of matrices) runs: those dimensions whole; the others split as stored, and the
+    mesh axes freed from the whole ones moved onto them where they divide (each device then
+    orthogonalises its share of the stack's matrices rather than every device all of them:
+    an all-to-all in and out instead of an all-gather, and no computation repeated)."""
+    stored = [tuple(e) if isinstance(e, tuple) else (() if e is None else (e,))
+              for e in self.param_spec(axes, shape)]
+    stored += [()] * (len(shape) - len(stored))
+    freed = [a for e, w in zip(stored, whole) if w for a in e]
+    entries = [() if w else e for e, w in zip(stored, whole)]
+    for a in freed:
+      for i, (dim, w) in enumerate(zip(shape, whole)):
+        pieces = math.prod(self.mesh.shape[b] for b in entries[i]) * self.mesh.shape[a]
+        if not w and dim % pieces == 0:
+          entries[i] = entries[i] + (a,)
+          break
+    return P(*(e if e else None for e in entries))
+
   def compute_spec(self, axes: Sequence[str | None], shape: Sequence[int]) -> P:
     """Where one layer's weight is while its GEMM reads it: split as stored by tensor and expert
     parallelism, whole along what only stores it (FSDP, expert data, the stage axis)."""

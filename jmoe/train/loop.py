@@ -18,7 +18,7 @@ from jmoe.checkpoint.hf_families import check_family
 from jmoe.checkpoint.hf_files import copy_tokenizer_files
 from jmoe.checkpoint.params import fingerprint, read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
-from jmoe.config.resume import changed, model_settings, recorded, saved_with
+from jmoe.config.resume import HELD, changed, model_settings, recorded, saved_with
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
@@ -372,8 +372,10 @@ def check_settings(config: Config, checkpointer: Checkpointer, step: int) -> Non
   saved = recorded(saved, now)
   names = changed(saved, now)
   if names:
+    why = ("its optimizer state is another optimizer's" if set(names) <= set(HELD)
+           else "its weights would compute something else")
     raise ConfigError(
-        f"{saved_with(where, names, saved, now)}: its weights would compute something else. "
+        f"{saved_with(where, names, saved, now)}: {why}. "
         f"Set {'it' if len(names) == 1 else 'them'} back to resume, or train on from its model "
         f"with the new {'value' if len(names) == 1 else 'values'} in a new --workdir "
         f"(--config.checkpoint.load_params={workdir})")
