@@ -1,8 +1,7 @@
 """Muon's orthogonalisation: a stack of matrices' nearest semi-orthogonal matrices, approximately.
 
-Muon (Keller Jordan, 2024; Moonlight, Liu et al. 2025) replaces a hidden matrix's momentum M by
-Newton-Schulz's approximation of U V^T (M = U S V^T): every direction of the update the same
-size. jmoe's weights are rarely plain 2-D: a parameter names each axis's role (`matrix` in
+Muon replaces a hidden matrix's momentum M by Newton-Schulz's approximation of U V^T
+(M = U S V^T): every direction of the update the same size. jmoe's weights are rarely plain 2-D: a parameter names each axis's role (`matrix` in
 jmoe/ops/params.py): `b` axes (layers of a stack, experts, gate/up) index separate matrices,
 the `i` axes flattened are the matrix's rows and the `o` axes its columns. So attention's
 W_q [D, H, A] is one D x HA matrix and an expert stack [L, E, D, 2, F] is L x E x 2 matrices
@@ -21,7 +20,7 @@ optax (0.2.8) has Muon (optax.contrib.muon) but its per-matrix reshape merges ev
 into one, which splits a stack [L, E, ...] sharded over E differently (a reshard across the
 expert-parallel devices), its Newton-Schulz is not public API, and its state takes no part in
 jmoe's skipped steps and storage dtypes; the iteration itself is a few lines, written here with
-optax's (and Keller Jordan's) quintic coefficients.
+the usual quintic coefficients.
 """
 
 from __future__ import annotations
@@ -35,10 +34,10 @@ from jax.sharding import NamedSharding
 from jmoe.parallel import Layout
 
 # The quintic x -> a x + b x^3 + c x^5 on the singular values, with the largest slope at zero
-# that still maps (0, 1] into about [0.7, 1.2] in five steps (Keller Jordan's coefficients).
+# that still maps (0, 1] into about [0.7, 1.2] in five steps.
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
-# Moonlight's factor: the update's RMS ~ 0.2, AdamW's typical, whatever the matrix's shape
+# The update's RMS ~ 0.2, AdamW's typical, whatever the matrix's shape
 # (U V^T of an m x n matrix has RMS 1 / sqrt(max(m, n))), so that train.lr carries over.
 RMS_MATCH = 0.2
 
