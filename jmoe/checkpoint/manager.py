@@ -8,7 +8,9 @@ Each step's checkpoint holds three items:
 Saves are asynchronous: the state is copied on its devices (where they have room for a copy beside
 the step's peak), `save` returns at once and training goes on while a thread of the checkpointer
 copies that to the host and Orbax writes it in the background; the next save (or `wait`) waits for
-both. Without room for the copy, `save` returns once the arrays are on the host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
+both. Without room for the copy, or with several processes (Orbax's barriers between them are
+device collectives, which must not run beside a step's), `save` returns once the arrays are on the
+host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
 and renames it to `<step>` when complete, so a save cut short leaves no half-written step behind. A
 save that fails, in the foreground or the background, removes its temporary directory and raises a
 ConfigError naming the step, the directory and the cause at the next `save` or `wait`; a run
@@ -312,7 +314,9 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self.wait()
-    copy = device_copy(state) if self._async else None
+    # With several processes Orbax's save meets the others at barriers that are device
+    # collectives, which must not run beside a step's from another thread: foreground there.
+    copy = device_copy(state) if self._async and jax.process_count() == 1 else None
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       log.info("checkpoints: %s", "the state is copied on its devices and training goes on "
