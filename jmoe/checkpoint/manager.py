@@ -319,10 +319,11 @@ class Checkpointer:
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
+      why = ("several processes save together" if jax.process_count() > 1 else
+             "the devices lack room for a copy beside the step's peak")
       log.info("checkpoints: %s", "the state is copied on its devices and training goes on "
-               "while the copy goes to the host" if copy is not None else "training waits while "
-               "the state goes to the host (the devices lack room for a copy beside the step's "
-               "peak)")
+               "while the copy goes to the host" if copy is not None else
+               f"training waits while the state goes to the host ({why})")
     items = dict(data=ocp.args.JsonSave(data or {}))
     if run:
       items["run"] = ocp.args.JsonSave(run)
