@@ -2,7 +2,7 @@
 
 Packages import downward only, in this order (tests/test_layout.py reads this line):
   errors <- outputs <- cli <- ops <- config <- distributed <- parallel <- moe <- model <- data
-  <- checkpoint <- inference <- train <- memory <- api <- convert <- score <- generate
+  <- checkpoint <- hf <- inference <- train <- memory <- api <- convert <- score <- generate
   <- xla_flags
 outputs checks and puts in place what commands write where a user says; cli is what commands
 share; ops, the kernels and primitives, needs nothing of jmoe but its errors;

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(rest)
     if overrides and args.command != "upcycle":
       parser.error(f"{args.command} takes no --config.* overrides")
-    from jmoe.checkpoint.hf import export_hf, import_hf
+    from jmoe.hf.convert import export_hf, import_hf
     import jax
     from jmoe.distributed import initialize
     if args.command != "upcycle":

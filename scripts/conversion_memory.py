@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
   _, generate_s = child_peak(["-c", generate])
   sizes = tensor_bytes(work / "hf")
   part = largest_part_bytes(args.config, overrides)
-  base_rss, _ = child_peak(["-c", "import jax, jmoe.checkpoint.hf; jax.devices()"])
+  base_rss, _ = child_peak(["-c", "import jax, jmoe.hf.convert; jax.devices()"])
   import_rss, import_s = child_peak(["-m", "jmoe.convert", "import-hf", "--hf-dir",
                                      str(work / "hf"), "--out", str(work / "ckpt"),
                                      "--params-dtype", "bfloat16"])
@@ -126,7 +126,7 @@ def write_random(config_path: str, overrides: list[str], out: str) -> None:
   import jax
   import numpy as np
   from flax import nnx
-  from jmoe.checkpoint.hf import export_hf
+  from jmoe.hf.convert import export_hf
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from jmoe.model.factory import model_factory

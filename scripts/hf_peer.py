@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
   import torch
   import transformers
-  from jmoe.checkpoint.hf_families import check_exportable
+  from jmoe.hf.families import check_exportable
   from jmoe.config import load_config
   from jmoe.train.flops import model_flops_per_token
 

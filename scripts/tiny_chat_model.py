@@ -49,7 +49,7 @@ def write_tokenizer(out: pathlib.Path) -> None:
 def write_model(out: pathlib.Path) -> None:
   """The model into `out`, an empty directory."""
   from flax import nnx
-  from jmoe.checkpoint.hf import export_hf
+  from jmoe.hf.convert import export_hf
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from jmoe.model.factory import model_factory

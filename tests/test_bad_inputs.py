@@ -342,7 +342,7 @@ QWEN = str(ROOT / "configs" / "tiny_qwen3_moe.py")
 def hf_dir(tmp_path_factory) -> pathlib.Path:
   """A tiny Qwen3-MoE Hugging Face directory, written by jmoe's own export (sharded in two)."""
   from flax import nnx
-  from jmoe.checkpoint.hf import export_hf
+  from jmoe.hf.convert import export_hf
   from jmoe.checkpoint.params import save_model
   from jmoe.config import load_config
   from helpers import build
@@ -635,7 +635,7 @@ def test_import_hf_converts_half_precision_weights_and_names_unknown_fields(hf_d
   result = convert("import-hf", "--hf-dir", str(directory), "--out", str(tmp_path / "out"))
   assert result.code == 0, result.err[-2000:]
   assert "jmoe does not know the field(s) frobnicate_layers" in result.err
-  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.hf.files import SafetensorsReader
   import jmoe
   from flax import nnx
   _, model = jmoe.load_model(tmp_path / "out")
@@ -725,8 +725,8 @@ def test_import_hf_refuses_config_fields_by_name(hf_dir, tmp_path, change, messa
 
 def test_fields_config_json_leaves_out_take_transformers_defaults():
   """A field config.json leaves out means what it means to transformers' config class."""
-  from jmoe.checkpoint.hf_families import FAMILIES
-  from jmoe.checkpoint.hf_fields import HFFields
+  from jmoe.hf.families import FAMILIES
+  from jmoe.hf.fields import HFFields
   sizes = dict(vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)
   family = FAMILIES["gpt_oss"]
@@ -747,8 +747,8 @@ def test_fields_config_json_leaves_out_take_transformers_defaults():
 
 def test_gpt_oss_layer_types_that_export_writes_import_back():
   """Any window pattern jmoe has (every k-th layer full) goes out as layer_types and back."""
-  from jmoe.checkpoint.hf_families import FAMILIES
-  from jmoe.checkpoint.hf_fields import HFFields
+  from jmoe.hf.families import FAMILIES
+  from jmoe.hf.fields import HFFields
   from jmoe.config import load_config
   family = FAMILIES["gpt_oss"]
   for every in (0, 2, 3, 6):
@@ -795,7 +795,7 @@ def test_export_hf_refuses_what_transformers_would_run_otherwise(tmp_path, confi
 def test_export_hf_gives_latent_attention_a_key_value_head_per_query_head(tmp_path):
   """jmoe's latent attention does not read model.num_kv_heads; transformers' DeepSeek-V3 runs
   only with num_key_value_heads = num_attention_heads, which export writes."""
-  from jmoe.checkpoint.hf_families import check_exportable
+  from jmoe.hf.families import check_exportable
   from jmoe.config import load_config
   config = load_config(str(ROOT / "configs" / "tiny_deepseek_v3.py"),
                        ["model.num_heads=8", "model.num_kv_heads=2"])
@@ -1086,7 +1086,7 @@ def kept_output(result: Result, out: pathlib.Path) -> pathlib.Path:
 
 
 def test_import_hf_keeps_what_another_writes_to_its_out_meanwhile(hf_dir, tmp_path, monkeypatch):
-  import jmoe.checkpoint.hf as hf
+  import jmoe.hf.convert as hf
   out = tmp_path / "ckpt"
   second = []
   during(monkeypatch, hf, "save_streamed", lambda: second.append(
@@ -1114,7 +1114,7 @@ def test_import_hf_keeps_what_another_writes_to_its_out_meanwhile(hf_dir, tmp_pa
 
 
 def test_export_hf_overwrite_replaces_only_what_it_checked(hf_dir, tmp_path, monkeypatch):
-  import jmoe.checkpoint.hf as hf
+  import jmoe.hf.convert as hf
   checkpoint = tmp_path / "ckpt"
   assert convert("import-hf", "--hf-dir", str(hf_dir), "--out", str(checkpoint)).code == 0
   out = write(tmp_path / "hf" / "old.txt", "old").parent
@@ -1155,7 +1155,7 @@ def test_two_prepares_on_one_out_never_share_files(tmp_path, monkeypatch):
 
 def test_an_interrupted_prepare_or_import_leaves_the_target_as_it_was(hf_dir, tmp_path,
                                                                       monkeypatch):
-  import jmoe.checkpoint.hf as hf
+  import jmoe.hf.convert as hf
   from jmoe.data.prepare import ShardWriter, prepare as prepare_tokens
 
   def interrupt(*args, **kwargs):
@@ -2071,7 +2071,7 @@ def test_runs_start_from_a_lora_workdir_as_its_adapted_model(lora_run, tmp_path)
   assert result.code == 0 and "resuming from" in result.err, result.err[-2000:]
 
   # export-hf of the LoRA run on top folds both adapters: the files of its merged model.
-  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.hf.files import SafetensorsReader
   from jmoe.checkpoint.params import save_model
   merged_config, model = load_model(tmp_path / "stacked", one, merge_adapters=True)
   save_model(tmp_path / "merged", nnx.state(model), merged_config)

@@ -425,7 +425,7 @@ def test_import_hf_holds_a_few_parts_never_the_model(tmp_path, part_bytes):
   numpy array) is a few of the largest parts, a small share of the model, and the checkpoint it
   writes is the model, value for value."""
   import tracemalloc
-  from jmoe.checkpoint.hf import export_hf, import_hf
+  from jmoe.hf.convert import export_hf, import_hf
   config, model, model_bytes, part = _conversion_model(tmp_path, part_bytes)
   export_hf(tmp_path / "ckpt", tmp_path / "hf")
   tracemalloc.start()
@@ -452,7 +452,7 @@ def test_export_hf_reads_a_part_at_a_time_never_the_model(tmp_path, monkeypatch,
   not see tensorstore's reads) is the file and a few parts. What it writes imports back to the
   model, value for value."""
   import tracemalloc
-  from jmoe.checkpoint.hf import export_hf, import_hf
+  from jmoe.hf.convert import export_hf, import_hf
   from jmoe.checkpoint.params import open_variables
   from jmoe.checkpoint.streamed import StoredArray
   config, model, model_bytes, part = _conversion_model(tmp_path, part_bytes)

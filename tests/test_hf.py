@@ -20,9 +20,9 @@ import pytest
 from safetensors import safe_open
 
 from flags import xla_flags
-from jmoe.checkpoint.hf import export_hf, import_hf
-from jmoe.checkpoint.hf_files import SafetensorsReader
-from jmoe.checkpoint.hf_families import check_exportable
+from jmoe.hf.convert import export_hf, import_hf
+from jmoe.hf.files import SafetensorsReader
+from jmoe.hf.families import check_exportable
 from jmoe.checkpoint.params import load_model
 from jmoe.config import ConfigError, ParallelConfig, load_config
 from jmoe.parallel import make_layout

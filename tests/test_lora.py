@@ -159,8 +159,8 @@ def test_a_checkpoint_with_adapters_exports_them_folded_everywhere(tmp_path):
   """export-hf folds every adapter into its weight, the multi-token prediction modules' too
   (their list index is a key of its own in the checkpoint): the files equal those of the model
   with the adapters merged beforehand."""
-  from jmoe.checkpoint.hf import export_hf
-  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.hf.convert import export_hf
+  from jmoe.hf.files import SafetensorsReader
   from jmoe.config import load_config
   config = load_config(ROOT / "configs" / "tiny_deepseek_v3.py",
                        ["model.mtp_depth=1", "lora.rank=4", "lora.alpha=8.0",

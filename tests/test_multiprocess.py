@@ -106,8 +106,8 @@ def test_conversion_spread_over_two_processes_writes_what_one_process_writes(tmp
   tensors (and config.json) one process writes; import-hf in 2 processes, each writing its share
   of the layers, writes the checkpoint the model came from, value for value."""
   from flax import nnx
-  from jmoe.checkpoint.hf import export_hf
-  from jmoe.checkpoint.hf_files import SafetensorsReader
+  from jmoe.hf.convert import export_hf
+  from jmoe.hf.files import SafetensorsReader
   from jmoe.checkpoint.params import read_variables, save_model
   from jmoe.model.factory import model_factory
   from helpers import build

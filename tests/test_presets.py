@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jmoe.checkpoint.hf_families import family_of_hf
-from jmoe.checkpoint.hf_fields import HFFields
+from jmoe.hf.families import family_of_hf
+from jmoe.hf.fields import HFFields
 from jmoe.config import load_config, to_dict
 from jmoe.model.factory import model_factory
 from jmoe.train.flops import model_flops_per_token

@@ -111,7 +111,7 @@ def test_hf_peer_asks_each_family_for_an_attention_transformers_accepts(tmp_path
   tiny model's config.json, so `auto` runs it; GPT-OSS's sinks rule out sdpa."""
   if not HF_PYTHON.exists():
     pytest.skip("no reference Python: run scripts/hf_reference_env.sh")
-  from jmoe.checkpoint.hf_families import FAMILIES, check_exportable
+  from jmoe.hf.families import FAMILIES, check_exportable
   from jmoe.config import load_config
   hf_configs = []
   for name in ("tiny_qwen3_moe", "tiny_mixtral", "tiny_deepseek_v3", "tiny_gpt_oss"):

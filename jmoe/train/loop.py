@@ -14,8 +14,8 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
-from jmoe.checkpoint.hf_families import check_family
-from jmoe.checkpoint.hf_files import copy_tokenizer_files
+from jmoe.hf.families import check_family
+from jmoe.hf.files import copy_tokenizer_files
 from jmoe.checkpoint.params import fingerprint, read_variables, with_saved_architecture
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.config.resume import HELD, changed, model_settings, recorded, saved_with

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jmoe.checkpoint.hf_files import TOKENIZER_FILES
+from jmoe.hf.files import TOKENIZER_FILES
 from jmoe.errors import ConfigError
 
 log = logging.getLogger("jmoe")

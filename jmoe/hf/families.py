@@ -2,7 +2,7 @@
 
 A family is data, not code paths: a config translation in each direction and the names of its
 tensors. The tensor layouts are the same for every family (PyTorch Linear weights are [out, in]);
-`hf.py` does the reshaping. Import reads config.json through `HFFields` (hf_fields.py): each field
+`convert.py` does the reshaping. Import reads config.json through `HFFields` (fields.py): each field
 that changes what the model computes is read with its type and range and mapped, or refused by
 name; export writes only what transformers runs as jmoe does (`check_exportable`).
 """
@@ -13,9 +13,9 @@ import dataclasses
 import logging
 from typing import Callable
 
-from jmoe.checkpoint.hf_common import (COMMON_DEFAULTS, common_fields, common_to_hf,
+from jmoe.hf.common import (COMMON_DEFAULTS, common_fields, common_to_hf,
                                        no_attention_bias, require_silu, unquantized)
-from jmoe.checkpoint.hf_fields import HFFields
+from jmoe.hf.fields import HFFields
 from jmoe.config import (BalanceConfig, ConfigError, MLAConfig, ModelConfig, MoEConfig,
                          RouterConfig)
 from jmoe.errors import choice
@@ -40,7 +40,7 @@ class Family:
   # Multi-token prediction modules as layers after the last (DeepSeek-V3's checkpoints)
   mtp_layers: bool = False
   # Fields of its config.json that do not change what transformers computes (derived ones,
-  # training or parallelism settings of the original code), besides hf_fields.GENERIC
+  # training or parallelism settings of the original code), besides fields.GENERIC
   ignored: frozenset = frozenset()
   # Other model types whose config.json is this family's (read by its fields and defaults)
   read_as: tuple[str, ...] = ()
@@ -49,7 +49,7 @@ class Family:
 # ---- config.json -> jmoe: every field that changes what the model computes is read (with its
 # type and range) and mapped, or refused by name; a missing one takes transformers' default for
 # the family (its config class, transformers 5), listed in each family's DEFAULTS. The fields
-# every family reads alike are in hf_common.py.
+# every family reads alike are in common.py.
 
 QWEN3_DEFAULTS = dict(COMMON_DEFAULTS, num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-6,
                       max_position_embeddings=32768, attention_bias=False,

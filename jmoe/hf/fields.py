@@ -2,7 +2,7 @@
 string `hidden_size`, a float layer count or a negative size is refused naming the field), a
 missing one taking transformers' default for the family, and the fields nobody read reported.
 
-The family translations (hf_families.py) read every field that changes what the model computes
+The family translations (families.py) read every field that changes what the model computes
 through here, so that a field is either mapped onto jmoe's config or refused by name; a field no
 family knows is named in a warning.
 """

@@ -1,7 +1,7 @@
 """The mapping between jmoe's parameters and a Hugging Face checkpoint's tensors: for each jmoe
 parameter (one layer of it), a pair of functions, to jmoe from named tensors and back. The layouts
 are the same for every family (PyTorch Linear weights are [out, in]); the names come from the
-family (hf_families.py). `walk` goes over a model's parameters with the mapping of each.
+family (families.py). `walk` goes over a model's parameters with the mapping of each.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 from flax import nnx
 
-from jmoe.checkpoint.hf_families import Family
+from jmoe.hf.families import Family
 from jmoe.config import Config, ConfigError
 
 # ---- the mapping: a jmoe parameter (one layer of it) <-> named Hugging Face tensors

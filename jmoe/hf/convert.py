@@ -5,7 +5,7 @@ the host, so neither holds the model in memory nor needs a device. Import reads 
 from the (possibly sharded) safetensors files when the checkpoint writer asks for it
 (jmoe/checkpoint/streamed.py); export reads a part from the checkpoint's chunks and adds its
 tensors to a safetensors file, written as soon as it is full. Every jmoe parameter has one mapping
-(hf_mappings.py); a tensor that is missing is an error naming it.
+(mappings.py); a tensor that is missing is an error naming it.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jmoe.checkpoint.hf_families import Family, check_exportable, family_of_hf
-from jmoe.checkpoint.hf_fields import HFFields
-from jmoe.checkpoint.hf_files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
+from jmoe.hf.families import Family, check_exportable, family_of_hf
+from jmoe.hf.fields import HFFields
+from jmoe.hf.files import (SafetensorsReader, ShardedWriter, copy_tokenizer_files,
                                       name_shards, read_json, written_in_place)
-from jmoe.checkpoint.hf_mappings import Mapping, mtp_prefixes, walk
+from jmoe.hf.mappings import Mapping, mtp_prefixes, walk
 from jmoe.checkpoint.params import open_variables, read_config
 from jmoe.checkpoint.streamed import (Region, StreamedArray, part_shape, raise_everywhere,
                                       save_streamed, unreadable)

@@ -1,12 +1,12 @@
 """The config.json fields every supported family reads and writes alike (rotary embedding and
 its YaRN scaling, sizes, norms, activation, attention bias, quantization), for the family
-translations in hf_families.py."""
+translations in families.py."""
 
 from __future__ import annotations
 
 import logging
 
-from jmoe.checkpoint.hf_fields import HFFields
+from jmoe.hf.fields import HFFields
 from jmoe.config import ConfigError, ModelConfig, YarnConfig
 
 log = logging.getLogger("jmoe")
