@@ -211,18 +211,18 @@ def test_opened_arrays_have_the_fingerprint_of_placed_ones(monkeypatch):
   """The frozen model's fingerprint, taken from arrays read a region at a time (export-hf, a LoRA
   workdir read folded), equals the one of the same values on devices, whatever the regions."""
   import tensorstore as ts
-  from jmoe.checkpoint import params
+  from jmoe.checkpoint import fingerprint as digest
   from jmoe.checkpoint.streamed import StoredArray
   rng = np.random.default_rng(0)
   values = {"w": rng.normal(size=(3, 5, 7)).astype(np.float32),
             "layers": {0: rng.normal(size=(4, 6)).astype(jnp.bfloat16)},
             "mask": rng.integers(0, 2, 5).astype(bool), "scalar": np.float32(3.5),
             "ids": rng.integers(-9, 9, (2, 3, 4, 5)).astype(np.int32)}
-  placed = params.fingerprint(jax.tree.map(jnp.asarray, values))
+  placed = digest.fingerprint(jax.tree.map(jnp.asarray, values))
   opened = lambda values: jax.tree.map(
       lambda x: StoredArray(ts.array(np.array(x)), pathlib.Path("c")), values)
   for limit in (1 << 28, 64, 17, 1):  # whole arrays; blocks of rows; single elements
-    monkeypatch.setattr(params, "FINGERPRINT_BYTES", limit)
-    assert params.fingerprint(opened(values)) == placed, limit
+    monkeypatch.setattr(digest, "FINGERPRINT_BYTES", limit)
+    assert digest.fingerprint(opened(values)) == placed, limit
   values["w"][2, 4, 6] = np.nextafter(values["w"][2, 4, 6], np.float32(1))  # one bit
-  assert params.fingerprint(opened(values)) != placed
+  assert digest.fingerprint(opened(values)) != placed

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from jax.experimental import multihost_utils
 
-from jmoe.checkpoint.manager import quiet_failed_writes
+from jmoe.checkpoint.disk import quiet_failed_writes
 from jmoe.config import Config, ConfigError, to_dict
 from jmoe.ops.lora import added, product
 
