@@ -48,6 +48,27 @@ def build_model(architecture, hf_config, choices: tuple[str, ...], **kwargs):
   return model, model.config._attn_implementation
 
 
+def timed_steps(step, warmup: int, steps: int, config) -> dict:
+  """`step()` (a PyTorch training step returning its loss) run `warmup` times, then timed over
+  `steps` more with the GPU synced around them: the figures every peer prints, the model FLOPs
+  counted by jmoe (jmoe.train.flops) for `config`'s batch."""
+  import torch
+  from jmoe.train.flops import model_flops_per_token
+  for _ in range(warmup):
+    step()
+  torch.cuda.synchronize()
+  t0 = time.perf_counter()
+  for _ in range(steps):
+    loss = step()
+  torch.cuda.synchronize()
+  step_s = (time.perf_counter() - t0) / steps
+  tokens_per_s = config.train.batch_size * config.data.seq_len / step_s
+  return {"step_ms": round(step_s * 1e3, 2), "tokens_per_s_per_device": round(tokens_per_s),
+          "tflops_per_device": round(tokens_per_s * model_flops_per_token(config) / 1e12, 1),
+          "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+          "loss": round(float(loss.detach()), 4)}
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", required=True)
@@ -64,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
   import transformers
   from jmoe.hf.families import check_exportable
   from jmoe.config import load_config
-  from jmoe.train.flops import model_flops_per_token
 
   config = load_config(args.config, overrides)
   family = check_exportable(config.model, config.moe)
@@ -88,25 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     optimizer.zero_grad(set_to_none=True)
     return loss
 
-  for _ in range(args.warmup):
-    step()
-  torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  for _ in range(args.steps):
-    loss = step()
-  torch.cuda.synchronize()
-  step_s = (time.perf_counter() - t0) / args.steps
-  tokens_per_s = batch_size * seq / step_s
-  tflops = tokens_per_s * model_flops_per_token(config) / 1e12
+  figures = timed_steps(step, args.warmup, args.steps, config)
   print(json.dumps({
       "peer": f"transformers {transformers.__version__} / torch {torch.__version__}",
       "config": args.config, "architecture": family.architecture,
       "experts_implementation": args.experts_implementation, "attention": attention,
       "layers": config.model.num_layers,
-      "batch": batch_size, "seq_len": seq, "step_ms": round(step_s * 1e3, 2),
-      "tokens_per_s_per_device": round(tokens_per_s), "tflops_per_device": round(tflops, 1),
-      "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-      "loss": round(float(loss.detach()), 4)}))
+      "batch": batch_size, "seq_len": seq, **figures}))
   return 0
 
 

@@ -43,7 +43,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 import types
 
 TORCHTITAN = "0.2.2"  # the version whose model arguments `titan_args` writes
@@ -271,7 +270,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def peer(args: argparse.Namespace, overrides: list[str]) -> int:
   from jmoe.config import load_config
-  from jmoe.train.flops import model_flops_per_token
   config = load_config(args.config, overrides)
   spec = titan_args(config, args.attention, args.balanced)
   titan = import_torchtitan()
@@ -309,16 +307,8 @@ def peer(args: argparse.Namespace, overrides: list[str]) -> int:
     optimizer.zero_grad(set_to_none=True)
     return loss
 
-  for _ in range(args.warmup):
-    step()
-  torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  for _ in range(args.steps):
-    loss = step()
-  torch.cuda.synchronize()
-  step_s = (time.perf_counter() - t0) / args.steps
-  tokens_per_s = batch_size * seq / step_s
-  tflops = tokens_per_s * model_flops_per_token(config) / 1e12
+  from hf_peer import timed_steps  # (this script's folder is on sys.path)
+  figures = timed_steps(step, args.warmup, args.steps, config)
   print(json.dumps({
       "peer": f"torchtitan {titan.version} / torch {torch.__version__}",
       "config": args.config, "architecture": spec["model"],
@@ -326,10 +316,7 @@ def peer(args: argparse.Namespace, overrides: list[str]) -> int:
       "compile": "off" if args.no_compile else "per block",
       "routing": "balanced" if args.balanced else "real", "layers": config.model.num_layers,
       "params": params, "jmoe_params": jmoe,
-      "batch": batch_size, "seq_len": seq, "step_ms": round(step_s * 1e3, 2),
-      "tokens_per_s_per_device": round(tokens_per_s), "tflops_per_device": round(tflops, 1),
-      "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-      "loss": round(float(loss.detach()), 4)}))
+      "batch": batch_size, "seq_len": seq, **figures}))
   return 0
 
 
