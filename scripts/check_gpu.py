@@ -1,6 +1,7 @@
 """GPU kernels against float32 references; exits non-zero, naming the failing case, when one fails.
 
   python scripts/check_gpu.py [--quick] [--backends mosaic,ragged_dot] [--rows 16384] [--shapes a,b]
+      [--workers 8]
 
 Grouped GEMMs: for each backend, each shape class (Qwen3-30B-A3B's up and down projections, the
 other families' expert shapes, LoRA factors, and a small shape no tile divides) and each routing
@@ -14,16 +15,22 @@ Attention: cuDNN's kernels through jmoe's attention (windows, sinks, packed docu
 chosen at run time, latent attention's narrower values) against plain float32 softmax attention,
 the output and every gradient (the sinks' too) within 2e-2, at 4096 and 8192 tokens; then the
 model's logits with cuDNN's kernel against XLA's, in bf16. `--quick` checks `moe.gemm=auto`'s
-backend on one routing per shape class and three attention cases. Prints one JSON line per case;
+backend on one routing per shape class and three attention cases. The cases run on `--workers`
+threads, so that their compiles overlap. Prints one JSON line per case;
 `moe.gemm=auto` must pick a backend that passed.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
 import json
+import os
 import sys
+import threading
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +49,32 @@ ROUTINGS = ("balanced", "skewed", "empty")
 # --quick: one routing per shape, each shape class once, in about a minute
 QUICK_CASES = (("up", "empty"), ("odd", "empty"), ("gpt_oss_down", "skewed"),
                ("deepseek_up", "balanced"))
+
+
+def named(run: Callable[[], dict], check: str) -> Callable[[], dict]:
+  """`run` (one case's check) timed, with an exception (a kernel that does not compile or run)
+  turned into a failed case named `check`."""
+  def job():
+    started = time.perf_counter()
+    try:
+      result = run()
+    except Exception as e:  # noqa: BLE001 - the case fails, the others go on
+      result = {"check": check, "ok": False,
+                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    return result
+  return job
+
+
+def run_jobs(jobs: list[Callable[[], dict]], workers: int) -> list[dict]:
+  """The cases on `workers` threads, so that their compiles (XLA's, cuDNN's graphs, Mosaic's
+  ptxas) overlap; most of a case's time is its compile. Each result is printed as it ends; the
+  list is in the cases' order. A case's `seconds` is its wall time beside the others'."""
+  with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+    futures = [pool.submit(job) for job in jobs]
+    for future in concurrent.futures.as_completed(futures):
+      print(json.dumps(future.result()), flush=True)
+  return [future.result() for future in futures]
 
 
 def relative_error(a, b) -> float:
@@ -112,48 +145,54 @@ def compare(outputs, sizes, expected) -> dict:
   return result
 
 
-def check_grouped_gemms(backends: list[str], rows: int, cases=None) -> list[dict]:
-  """Every backend on `cases` ((shape, routing) pairs; default: every shape on every routing)."""
+def grouped_gemm_jobs(backends: list[str], rows: int, cases=None) -> list[Callable[[], dict]]:
+  """Every backend on `cases` ((shape, routing) pairs; default: every shape on every routing),
+  one job per case and backend."""
   from jmoe.ops.grouped_gemm import GEMM_BACKENDS
-  gemms = {name: jax.jit(GEMM_BACKENDS[name]) for name in backends}
   cases = cases or [(shape, kind) for shape in SHAPES for kind in ROUTINGS]
-  out = []
-  for shape, kind in cases:
-    inputs, expected = case(shape, kind, rows, ROUTINGS.index(kind))
-    for name, gemm in gemms.items():
-      check = f"grouped_gemm/{name}/{shape}/{kind}"
-      try:
-        out.append({"check": check, **check_backend(gemm, inputs, expected)})
-      except Exception as e:  # a kernel that does not run fails its case
-        out.append({"check": check, "ok": False,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
-      print(json.dumps(out[-1]), flush=True)
-  return out
+  prepared: dict[tuple[str, str], tuple] = {}
+  lock = threading.Lock()
+
+  def inputs_of(shape, kind):  # built once per case, shared by the backends' jobs
+    with lock:
+      if (shape, kind) not in prepared:
+        prepared[shape, kind] = case(shape, kind, rows, ROUTINGS.index(kind))
+      return prepared[shape, kind]
+
+  def job(shape, kind, name):
+    def run():
+      inputs, expected = inputs_of(shape, kind)
+      return {"check": f"grouped_gemm/{name}/{shape}/{kind}",
+              **check_backend(jax.jit(GEMM_BACKENDS[name]), inputs, expected)}
+    return named(run, f"grouped_gemm/{name}/{shape}/{kind}")
+
+  return [job(shape, kind, name) for shape, kind in cases for name in backends]
 
 
-def check_vmapped(backends: list[str], rows: int, counts=(2, 1)) -> list[dict]:
+def vmapped_jobs(backends: list[str], rows: int, counts=(2, 1)) -> list[Callable[[], dict]]:
   """Each backend under vmap, as pipeline stages run their layers (vmapped over the stage axis):
   a batch of two cases, each with its own routing, and a batch of one, against the references."""
   from jmoe.ops.grouped_gemm import GEMM_BACKENDS
-  pair = [case("down", kind, rows, seed) for seed, kind in ((3, "skewed"), (4, "empty"))]
-  out = []
-  for name in backends:
-    batched = jax.jit(jax.vmap(GEMM_BACKENDS[name]))
-    for count in counts:
-      x, w, dy, sizes = (jnp.stack([inputs[i] for inputs, _ in pair[:count]]) for i in range(4))
-      check = f"grouped_gemm_vmapped/{name}/batch{count}"
-      try:
-        y, vjp = jax.vjp(lambda x, w: batched(x, w, sizes), x, w)
-        outputs = jax.device_get((y, *vjp(dy)))
-        results = [compare([a[b] for a in outputs], pair[b][0][3], pair[b][1])
-                   for b in range(count)]
-        worst = max(results, key=lambda r: max(r["out"], r["dx"], r["dw_worst_expert"]))
-        out.append({"check": check, **worst, "ok": all(r["ok"] for r in results)})
-      except Exception as e:  # a kernel that cannot be vmapped fails its case
-        out.append({"check": check, "ok": False,
-                    "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
-      print(json.dumps(out[-1]), flush=True)
-  return out
+  pair = functools.cache(
+      lambda: [case("down", kind, rows, seed) for seed, kind in ((3, "skewed"), (4, "empty"))])
+  lock = threading.Lock()
+
+  def job(name, count):
+    def run():
+      with lock:
+        cases = pair()
+      batched = jax.jit(jax.vmap(GEMM_BACKENDS[name]))
+      x, w, dy, sizes = (jnp.stack([inputs[i] for inputs, _ in cases[:count]]) for i in range(4))
+      y, vjp = jax.vjp(lambda x, w: batched(x, w, sizes), x, w)
+      outputs = jax.device_get((y, *vjp(dy)))
+      results = [compare([a[b] for a in outputs], cases[b][0][3], cases[b][1])
+                 for b in range(count)]
+      worst = max(results, key=lambda r: max(r["out"], r["dx"], r["dw_worst_expert"]))
+      return {"check": f"grouped_gemm_vmapped/{name}/batch{count}", **worst,
+              "ok": all(r["ok"] for r in results)}
+    return named(run, f"grouped_gemm_vmapped/{name}/batch{count}")
+
+  return [job(name, count) for name in backends for count in counts]
 
 
 # name -> (batch, seq, query heads, key heads, query/key dim, value dim, window, sinks, packed,
@@ -187,7 +226,7 @@ def packed_rows(batch: int, seq: int, rng) -> np.ndarray:
   return np.stack(rows).astype(np.int32)
 
 
-def check_attention_kernels(names) -> list[dict]:
+def attention_jobs(names) -> list[Callable[[], dict]]:
   """Each case through `attention(kernel="cudnn")` against plain_attention in float32 on the same
   bf16 inputs: the output and the gradients of the queries, keys, values and sinks (relative
   Frobenius error, on tokens in documents). The sinks are drawn large enough to hold a good share
@@ -196,11 +235,11 @@ def check_attention_kernels(names) -> list[dict]:
   sys.path.insert(0, "tests")
   from helpers import plain_attention
   from jmoe.ops.attention import attention
-  out = []
-  for name in names:
+
+  def check(index, name):
     b, s, h, g, a, w, window, sinks, packed, traced = ATTENTION_CASES[name]
-    rng = np.random.default_rng(len(out))
-    keys = jax.random.split(jax.random.key(len(out)), 5)
+    rng = np.random.default_rng(index)
+    keys = jax.random.split(jax.random.key(index), 5)
     q = jax.random.normal(keys[0], (b, s, h, a), jnp.bfloat16)
     k = jax.random.normal(keys[1], (b, s, g, a), jnp.bfloat16)
     v = jax.random.normal(keys[2], (b, s, g, w), jnp.bfloat16)
@@ -208,59 +247,54 @@ def check_attention_kernels(names) -> list[dict]:
     sinks_H = (4.0 + 1.5 * jax.random.normal(keys[4], (h,))) if sinks else None
     segments = jnp.asarray(packed_rows(b, s, rng)) if packed else None
     scale = a ** -0.5
-    check = f"attention/{name}"
-    started = time.perf_counter()
-    try:
-      def ours(q, k, v, sinks_H, windowed):
-        return attention(q, k, v, scale=scale, kernel="cudnn", window=window,
-                         windowed=windowed, segment_ids=segments, sinks=sinks_H)
 
-      windowed = jnp.asarray(True) if traced else True
+    def ours(q, k, v, sinks_H, windowed):
+      return attention(q, k, v, scale=scale, kernel="cudnn", window=window,
+                       windowed=windowed, segment_ids=segments, sinks=sinks_H)
 
-      def run(q, k, v, sinks_H, dout):
-        out_, vjp = jax.vjp(lambda *x: ours(*x, windowed), q, k, v, sinks_H)
-        return (out_, *vjp(dout))
+    windowed = jnp.asarray(True) if traced else True
 
-      compiled = jax.jit(run).lower(q, k, v, sinks_H, dout).compile()
-      fused = "fmha" in compiled.as_text()  # cuDNN's fused attention custom calls
-      got = compiled(q, k, v, sinks_H, dout)
-      f32 = lambda t: None if t is None else t.astype(jnp.float32)
+    def run(q, k, v, sinks_H, dout):
+      out_, vjp = jax.vjp(lambda *x: ours(*x, windowed), q, k, v, sinks_H)
+      return (out_, *vjp(dout))
 
-      def reference(q, k, v, sk):  # padding tokens (no document) give zeros
-        out_ = plain_attention(q, k, v, sk, scale=scale, window=window, segments_BS=segments)
-        return out_ if segments is None else out_ * (segments > 0)[:, :, None, None]
+    compiled = jax.jit(run).lower(q, k, v, sinks_H, dout).compile()
+    fused = "fmha" in compiled.as_text()  # cuDNN's fused attention custom calls
+    got = compiled(q, k, v, sinks_H, dout)
+    f32 = lambda t: None if t is None else t.astype(jnp.float32)
 
-      args = [f32(t) for t in (q, k, v, sinks_H)]
+    def reference(q, k, v, sk):  # padding tokens (no document) give zeros
+      out_ = plain_attention(q, k, v, sk, scale=scale, window=window, segments_BS=segments)
+      return out_ if segments is None else out_ * (segments > 0)[:, :, None, None]
 
-      @jax.jit
-      def reference_grads(args, dout):  # compiled: op by op it took most of a case's time
-        want_out, vjp = jax.vjp(reference, *args)
-        return [want_out, *vjp(dout)]
-      want = reference_grads(args, f32(dout))
-      want_out = want[0]
-      in_doc = None if segments is None else np.asarray(segments > 0)
-      errors = {}
-      for i, part in enumerate(("out", "dq", "dk", "dv", "dsinks")):
-        if got[i] is None or want[i] is None:
-          continue
-        g_, w_ = np.asarray(got[i], np.float32), np.asarray(want[i], np.float32)
-        if in_doc is not None and i < 4:  # padding tokens belong to no document
-          g_, w_ = g_[in_doc], w_[in_doc]
-        errors[part] = relative_error(g_, w_)
-      result = {"check": check, "cudnn_used": fused, **errors}
-      if sinks:
-        without = jax.jit(reference)(*args[:3], None)
-        result["sink_effect"] = relative_error(without, want_out)
-      worst = max(errors.values())
-      result["ok"] = bool(fused and worst <= ATTENTION_TOLERANCE
-                          and (not sinks or worst < result["sink_effect"] / 5))
-    except Exception as e:  # a case that does not compile or run fails
-      result = {"check": check, "ok": False,
-                "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-    result["seconds"] = round(time.perf_counter() - started, 1)
-    out.append(result)
-    print(json.dumps(result), flush=True)
-  return out
+    args = [f32(t) for t in (q, k, v, sinks_H)]
+
+    @jax.jit
+    def reference_grads(args, dout):  # compiled: op by op it took most of a case's time
+      want_out, vjp = jax.vjp(reference, *args)
+      return [want_out, *vjp(dout)]
+    want = reference_grads(args, f32(dout))
+    want_out = want[0]
+    in_doc = None if segments is None else np.asarray(segments > 0)
+    errors = {}
+    for i, part in enumerate(("out", "dq", "dk", "dv", "dsinks")):
+      if got[i] is None or want[i] is None:
+        continue
+      g_, w_ = np.asarray(got[i], np.float32), np.asarray(want[i], np.float32)
+      if in_doc is not None and i < 4:  # padding tokens belong to no document
+        g_, w_ = g_[in_doc], w_[in_doc]
+      errors[part] = relative_error(g_, w_)
+    result = {"check": f"attention/{name}", "cudnn_used": fused, **errors}
+    if sinks:
+      without = jax.jit(reference)(*args[:3], None)
+      result["sink_effect"] = relative_error(without, want_out)
+    worst = max(errors.values())
+    result["ok"] = bool(fused and worst <= ATTENTION_TOLERANCE
+                        and (not sinks or worst < result["sink_effect"] / 5))
+    return result
+
+  return [named(functools.partial(check, i, name), f"attention/{name}")
+          for i, name in enumerate(names)]
 
 
 def check_attention() -> list[dict]:
@@ -312,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--quick", action="store_true",
                       help="moe.gemm=auto's backend on one routing per shape class, the vmapped "
                       "pair, and three attention cases (about a minute on an H200)")
+  parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
+                      help="cases checked at once (their compiles overlap)")
   args = parser.parse_args(argv)
   if args.shapes:
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
@@ -320,14 +356,19 @@ def main(argv: list[str] | None = None) -> int:
     cases = [(shape, kind) for shape in args.shapes.split(",") for kind in ROUTINGS]
   else:
     cases = QUICK_CASES if args.quick else None
+  unknown = sorted(set(args.backends.split(",")) - set(GEMM_BACKENDS))
+  if unknown:
+    parser.error(f"unknown backends {unknown}; known: {', '.join(GEMM_BACKENDS)}")
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                     "auto": auto_gemm()}))
   backends = [auto_gemm()] if args.quick else args.backends.split(",")
-  results = []
+  started = time.perf_counter()
+  jobs = []
   if not args.no_attention:
-    results += check_attention_kernels(QUICK_ATTENTION if args.quick else ATTENTION_CASES)
-  results += check_grouped_gemms(backends, args.rows, cases)
-  results += check_vmapped(backends, args.rows, (2,) if args.quick else (2, 1))
+    jobs += attention_jobs(QUICK_ATTENTION if args.quick else ATTENTION_CASES)
+  jobs += grouped_gemm_jobs(backends, args.rows, cases)
+  jobs += vmapped_jobs(backends, args.rows, (2,) if args.quick else (2, 1))
+  results = run_jobs(jobs, args.workers)
   if not args.no_attention and not args.quick:
     for r in check_attention():
       print(json.dumps(r), flush=True)
@@ -336,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
   auto_checked = [r for r in results if r["check"].startswith(f"grouped_gemm/{auto_gemm()}/")]
   if auto_gemm() in backends and not auto_checked:
     failed.append(f"moe.gemm=auto ({auto_gemm()}) was not checked")
-  print(json.dumps({"failed": failed, "ok": not failed}))
+  print(json.dumps({"failed": failed, "ok": not failed,
+                    "seconds": round(time.perf_counter() - started, 1)}))
   return 1 if failed else 0
 
 
