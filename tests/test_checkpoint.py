@@ -568,3 +568,47 @@ def test_the_input_position_saved_after_any_batch_resumes_exactly(packing, maske
       got = next(resumed)
       for key in expected:
         np.testing.assert_array_equal(got[key], expected[key], err_msg=f"after batch {step}")
+
+
+# --- page-locked host memory reserved before the first save ---------------------------------
+
+def test_pinned_reserve_copies_each_arrays_shape_and_placement_without_reading_it(monkeypatch):
+  """`reserve_in_thread` takes each array's shape, dtype and sharding when called, so a state
+  donated (deleted) right after does not stop it, and it puts an array of each into page-locked
+  host memory, placed as the original; what it made is freed when it ends."""
+  import jax.numpy as jnp
+  from jmoe.checkpoint import pinned
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  tree = {"a": jax.device_put(jnp.ones((16, 4)), NamedSharding(mesh, PartitionSpec("d"))),
+          "b": jnp.ones(3, jnp.bfloat16), "step": 7}
+  assert pinned.has_pinned_host(tree)
+  made = []
+  put = jax.device_put
+
+  def recording_put(x, sharding):
+    made.append(put(x, sharding))
+    return made[-1]
+  monkeypatch.setattr(pinned.jax, "device_put", recording_put)
+  wanted = [(x.shape, x.dtype, x.sharding.with_memory_kind("pinned_host"))
+            for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  thread = pinned.reserve_in_thread(tree)
+  for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array):
+      x.delete()  # as the next step's donation would
+  thread.join()
+  assert [(x.shape, x.dtype, x.sharding) for x in made] == wanted
+  assert all(x.is_deleted() for x in made)
+
+
+def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_path, monkeypatch):
+  from jmoe.checkpoint import pinned
+  started = []
+  monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree: started.append(tree))
+  tree = {"a": jax.numpy.ones(4)}
+  Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
+  assert started == []  # the CPU's saves take no page-locked copy
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  Checkpointer(tmp_path / "c", keep=1, async_save=False).reserve_host_memory(tree)
+  assert started == []
+  Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
+  assert started == [tree]

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from jmoe.checkpoint import pinned
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_tree,
                                   require_complete, unfinished_saves)
 from jmoe.config import ConfigError
@@ -165,6 +166,7 @@ class Checkpointer:
     self._thread: threading.Thread | None = None  # the save copying a state to the host
     self._thread_error: Exception | None = None
     self._copies_noted = False
+    self._reserving: threading.Thread | None = None  # page-locked host memory being reserved
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -175,6 +177,15 @@ class Checkpointer:
   def all_steps(self) -> list[int]:
     return sorted(self._manager.all_steps())
 
+  def reserve_host_memory(self, state: Any) -> None:
+    """Starts reserving the page-locked host memory the saves of `state` will copy into (GPU,
+    asynchronous saves in one process), in a thread: called before the step compiles, so that
+    the first save does not hold training up while the pages are locked (jmoe/checkpoint/
+    pinned.py)."""
+    if (self._async and jax.process_count() == 1 and jax.default_backend() == "gpu"
+        and pinned.has_pinned_host(state)):
+      self._reserving = pinned.reserve_in_thread(state)
+
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
            run: dict[str, Any] | None = None) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
@@ -184,6 +195,9 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self.wait()
+    reserving, self._reserving = self._reserving, None
+    if reserving is not None:  # (long done, unless the first save comes within seconds)
+      reserving.join()
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there.
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None

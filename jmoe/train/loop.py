@@ -112,6 +112,7 @@ class Trainer:
         log.warning("the checkpoint of step %d holds no input position; the data starts over",
                     self.step)
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
+      self.checkpointer.reserve_host_memory(saved_part(config, self.state))  # while compiling
       t0 = time.perf_counter()
       self._step_fn = compile_train_step(config, layout, spec, optimizer,
                                          self.data.batch_spec())
