@@ -90,7 +90,8 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
 
 def loop_figures(config, steps: int, warmup: int) -> dict:
   """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
-  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save."""
+  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save
+  (and, apart, up to the end of the last step)."""
   import dataclasses
   import tempfile
   import jax
@@ -103,9 +104,10 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
       jax.block_until_ready(trainer.state)
       t0 = time.perf_counter()
       records = trainer.train(steps)
+      jax.block_until_ready(trainer.state)
+      stepped = time.perf_counter() - t0
       trainer.save()  # the run's last checkpoint, as the command ends with
       trainer.checkpointer.wait()
-      jax.block_until_ready(trainer.state)
       seconds = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
   tokens = config.train.batch_size * config.data.seq_len * steps
@@ -113,6 +115,9 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
   return {"loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
           "loop_checkpoints": saves, "loop_step_ms": round(seconds / steps * 1e3, 2),
           "loop_tokens_per_s": round(tokens / seconds),
+          # the same to the end of the last step, without the last checkpoint's write
+          "loop_tokens_per_s_steps": round(tokens / stepped),
+          "loop_last_write_s": round(seconds - stepped, 1),
           "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
           if intervals else None}
 
@@ -355,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         x.delete()
       record.update(loop_figures(config, args.loop, args.warmup))
       record["loop_vs_step"] = round(record["loop_tokens_per_s"] / (tokens_per_s * devices), 3)
+      record["loop_steps_vs_step"] = round(
+          record["loop_tokens_per_s_steps"] / (tokens_per_s * devices), 3)
     print(json.dumps(record), flush=True)
     if args.record:
       append_record(args.record, record)
