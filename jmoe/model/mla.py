@@ -20,9 +20,9 @@ from jmoe.model.attention import KV_AXES, Q_AXES
 from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.lora import adapted, adapters
+from jmoe.model.qk_clip import scale_weights
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, masked_attention
-from jmoe.model.qk_clip import scale_weights
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.max_logit import max_logit
 from jmoe.ops.params import param
