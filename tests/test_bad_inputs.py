@@ -809,7 +809,7 @@ def test_every_number_of_the_schema_has_a_range():
   from jmoe.config import Config
   from jmoe.config.validate import RANGES, numbers
   defaults = dict(numbers(Config()))
-  assert set(defaults) | {"moe.capacity_factor"} == set(RANGES)
+  assert set(defaults) | {"moe.capacity_factor", "train.qk_clip"} == set(RANGES)
   assert all(value in RANGES[key] for key, value in defaults.items())
 
 

@@ -342,7 +342,7 @@ def test_upcycled_model_computes_what_the_dense_model_does(tmp_path, name):
   np.testing.assert_allclose(moe_logits, dense_logits, rtol=1e-4, atol=1e-5)
   np.testing.assert_allclose(mean_loss(model, tokens), mean_loss(dense, tokens), rtol=1e-6)
   if router_std is None:  # a random router spreads tokens over the copies
-    assert float(np.min(np.max(stats.load_E, axis=-1))) < 0.9
+    assert float(np.min(np.max(stats.router.load_E, axis=-1))) < 0.9
 
 
 def test_upcycling_from_the_command_line_then_training(tmp_path):

@@ -51,8 +51,8 @@ def test_router_stats_per_moe_layer():
   config = tiny_config()
   _, stats = build(config)(tokens())
   moe_layers = config.model.num_layers - config.moe.first_k_dense
-  assert stats.load_E.shape == (moe_layers, config.moe.num_experts)
-  np.testing.assert_allclose(np.sum(stats.load_E, axis=-1), 1.0, rtol=1e-6)
+  assert stats.router.load_E.shape == (moe_layers, config.moe.num_experts)
+  np.testing.assert_allclose(np.sum(stats.router.load_E, axis=-1), 1.0, rtol=1e-6)
 
 
 @pytest.mark.parametrize("remat, unroll", [("full", 1), ("attention_moe_experts", 1),
@@ -64,7 +64,7 @@ def test_remat_and_unrolled_layers_equal_the_plain_loop(remat, unroll):
 
     def loss(m):
       logits, stats = m(tokens())
-      return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(stats.aux_loss)
+      return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(stats.router.aux_loss)
 
     return nnx.value_and_grad(loss)(model)
 
@@ -110,7 +110,7 @@ def test_multi_token_prediction_heads_are_causal_and_leave_the_main_head_alone()
   logits = jnp.einsum("bsd,dv->bsv", h, model.head_weights(h.dtype))
   np.testing.assert_allclose(logits, model(inputs)[0], rtol=1e-6)
   assert mtp.shape == (2, 2, 24, config.model.d_model)
-  assert stats.load_E.shape[0] == config.model.num_layers - config.moe.first_k_dense + 2
+  assert stats.router.load_E.shape[0] == config.model.num_layers - config.moe.first_k_dense + 2
   # Module k at position i sees tokens up to i + k + 1 of the window, never later ones.
   cut = 10
   changed = window.at[:, cut + 3:].set((window[:, cut + 3:] + 5) % 256)

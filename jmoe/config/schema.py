@@ -231,6 +231,13 @@ class TrainConfig:
   # (docs/OPTIMIZER.md). A resume keeps the optimizer its checkpoint was saved with.
   optimizer: str = "adamw"
   muon_momentum: float = 0.95  # Muon's Nesterov momentum
+  # QK-clip (MuonClip), with either optimizer: after each update, every attention head whose
+  # largest scaled logit q.k in the step exceeded qk_clip has its query and key projections
+  # scaled so that it would be qk_clip (queries by eta**qk_clip_alpha, keys by the rest; MLA's
+  # rotary part and grouped keys as docs/OPTIMIZER.md says). None or 0: off. Logs each layer's
+  # largest logit (attention_max_logit).
+  qk_clip: float | None = None
+  qk_clip_alpha: float = 0.5
   # Copy each layer-stacked gradient into one array before the optimizer update. Without the copy
   # XLA may fuse the stacking of the layers' gradients into the update, where it can compute the
   # update once per output (parameter, two moments): DeepSeek-V3's bench 274.6 -> 245.7 ms with

@@ -115,6 +115,7 @@ RANGES = {
     "train.weight_decay": Range("[0, inf)"), "train.b1": Range("[0, 1)"),
     "train.b2": Range("[0, 1)"), "train.eps": Range("(0, inf)"),
     "train.grad_clip": Range("[0, inf)", "0: off"), "train.muon_momentum": Range("[0, 1)"),
+    "train.qk_clip": Range("[0, inf)", "None or 0: off"), "train.qk_clip_alpha": Range("[0, 1]"),
     "train.mtp_loss_weight": Range("[0, inf)"),
     "train.log_every": Range("[1, INT]"), "train.max_bad_steps": Range("[1, INT]"),
     "train.eval_every": Range("[0, INT]", "0: no evaluation"),
@@ -144,7 +145,7 @@ def _numbers(config: Config):
     if isinstance(value, float) and not math.isfinite(value):
       yield f"{key} must be a finite number, got {value}"
     elif value not in RANGES[key]:
-      none = "None or " if key == "moe.capacity_factor" else ""
+      none = "None or " if key in ("moe.capacity_factor", "train.qk_clip") else ""
       yield f"{key} must be {none}{RANGES[key].describe()}, got {value}"
 
 
@@ -205,6 +206,12 @@ def _train(config: Config):
     yield f"train.warmup_steps ({t.warmup_steps}) must be in [0, train.steps) = [0, {t.steps})"
   yield from _one_of("train.remat", t.remat, REMAT_POLICIES)
   yield from _one_of("train.optimizer", t.optimizer, OPTIMIZERS)
+  if t.qk_clip and config.model.qk_norm:
+    yield ("train.qk_clip cannot work with model.qk_norm: the norms undo any scaling of the query "
+           "and key projections (and bound the logits themselves); turn one of them off")
+  if t.qk_clip and config.lora.rank:
+    yield ("train.qk_clip scales the query and key projections, which LoRA (lora.rank > 0) keeps "
+           "frozen; turn one of them off")
 
 
 def _data(config: Config):

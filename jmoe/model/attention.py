@@ -16,9 +16,11 @@ from jmoe.config import LoRAConfig, ModelConfig
 from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.lora import adapted, adapters
+from jmoe.model.qk_clip import grouped_factors, scale_weights
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
+from jmoe.ops.max_logit import max_logit
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
@@ -55,13 +57,29 @@ class Attention(nnx.Module):
                          w_o_HAD=(self.w_o_HAD, 2))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
-               segment_ids_BS: jax.Array | None = None) -> jax.Array:
-    """`segment_ids_BS`: which packed document each token belongs to; tokens attend only within
+               segment_ids_BS: jax.Array | None = None, with_max_logit: bool = False):
+    """The output, and with `with_max_logit` each head's largest scaled logit [H] (else None).
+    `segment_ids_BS`: which packed document each token belongs to; tokens attend only within
     their own (None: one document per row)."""
     q_BSHA, k_BSGA, v_BSGA = self._qkv(x_BSD, positions_BS)
     out_BSHA = checkpoint_name(self._attend(q_BSHA, k_BSGA, v_BSGA, layer, segment_ids_BS),
                                "attention_out")
-    return self._out(out_BSHA)
+    cfg = self.cfg
+    top_H = (max_logit(q_BSHA, k_BSGA, scale=softmax_scale(cfg.head_dim, cfg.yarn),
+                       window=cfg.sliding_window, windowed=cfg.windowed(layer),
+                       segment_ids=segment_ids_BS) if with_max_logit else None)
+    return self._out(out_BSHA), top_H
+
+  def clip_logits(self, eta_H: jax.Array, alpha: float) -> None:
+    """QK-clip: scales the query and key projections (and biases) so that each head's logits
+    scale by its factor in `eta_H` (leading axes: a layer stack's), the shared key heads as
+    jmoe/model/qk_clip.py's `grouped_factors` says."""
+    q_H, k_G = grouped_factors(eta_H, alpha, self.cfg.num_kv_heads)
+    scale_weights(self.w_q_DHA, q_H[..., None, :, None])
+    scale_weights(self.w_k_DGA, k_G[..., None, :, None])
+    if self.b_q_HA is not None:
+      scale_weights(self.b_q_HA, q_H[..., None])
+      scale_weights(self.b_k_GA, k_G[..., None])
 
   def cache_shapes(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
     g, a = self.cfg.num_kv_heads, self.cfg.head_dim

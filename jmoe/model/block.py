@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import jax
-from flax import nnx
+from flax import nnx, struct
 
 from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
 from jmoe.model.layers import RMSNorm
 from jmoe.model.mla import MLAttention
 from jmoe.model.mlp import SwiGLU
-from jmoe.moe import MoE
+from jmoe.moe import MoE, RouterStats
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.parallel import constrain
 
@@ -18,11 +18,22 @@ from jmoe.parallel import constrain
 RESIDUAL_AXES = ("act_batch", "act_seq_sp", None)
 
 
+@struct.dataclass
+class LayerStats:
+  """What a block reports besides its output; after a loop over layers (or for a whole model),
+  each field has a leading layer axis."""
+  router: RouterStats | None  # an MoE block's router (None: a dense MLP)
+  max_logit_H: jax.Array | None  # its attention's largest scaled logit per head, if asked
+
+
 class Block(nnx.Module):
-  """With `moe=None` the block's MLP is dense (d_ff wide); otherwise it is an MoE layer."""
+  """With `moe=None` the block's MLP is dense (d_ff wide); otherwise it is an MoE layer.
+  `max_logit`: report attention's largest logit per head (QK-clip reads it)."""
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig | None, *, param_dtype, dtype,
-               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
+               rngs: nnx.Rngs, fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None,
+               max_logit: bool = False):
+    self.max_logit = max_logit
     kw = dict(param_dtype=param_dtype, rngs=rngs, fp8=fp8, lora=lora)
     norm_kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, **norm_kw)
@@ -38,11 +49,12 @@ class Block(nnx.Module):
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array,
                segment_ids_BS: jax.Array | None = None, rng: jax.Array | None = None,
                layer: jax.Array | int = 0):
-    """Returns the block's output and, for an MoE block, its router stats (else None). `rng`, if
-    given, drives the router's training noise; `layer` is the block's index in the model."""
-    x_BSD = constrain(x_BSD + self.attn(self.attn_norm(x_BSD), positions_BS, layer, segment_ids_BS),
-                      RESIDUAL_AXES)
-    return self._mlp_part(x_BSD, rng)
+    """Returns the block's output and its LayerStats. `rng`, if given, drives the router's
+    training noise; `layer` is the block's index in the model."""
+    a_BSD, top_H = self.attn(self.attn_norm(x_BSD), positions_BS, layer, segment_ids_BS,
+                             self.max_logit)
+    x_BSD, router = self._mlp_part(constrain(x_BSD + a_BSD, RESIDUAL_AXES), rng)
+    return x_BSD, LayerStats(router=router, max_logit_H=top_H)
 
   def decode(self, x_BSD: jax.Array, positions_BS: jax.Array, layer, cache: dict):
     """The block on new tokens with its attention's cache (jmoe/model/kv_cache.py): the output

@@ -22,6 +22,7 @@ def model_factory(config: Config, seed: int | None = None) -> Callable[[], Trans
                        dtype=DTYPES[config.precision.compute], remat=config.train.remat,
                        fp8=recipe_from_config(config.precision),
                        lora=config.lora if config.lora.rank else None,
+                       max_logit=bool(config.train.qk_clip),
                        rngs=nnx.Rngs(params=seed))
 
   return build

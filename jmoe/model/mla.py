@@ -20,9 +20,11 @@ from jmoe.model.attention import KV_AXES, Q_AXES
 from jmoe.model import kv_cache
 from jmoe.model.layers import RMSNorm
 from jmoe.model.lora import adapted, adapters
+from jmoe.model.qk_clip import scale_weights
 from jmoe.model.rope import apply_rope, softmax_scale
 from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
+from jmoe.ops.max_logit import max_logit
 from jmoe.ops.params import param
 from jmoe.parallel import constrain
 
@@ -60,9 +62,23 @@ class MLAttention(nnx.Module):
                          w_o_HWD=(self.w_o_HWD, 2))
 
   def __call__(self, x_BSD: jax.Array, positions_BS: jax.Array, layer=0,
-               segment_ids_BS: jax.Array | None = None) -> jax.Array:
+               segment_ids_BS: jax.Array | None = None, with_max_logit: bool = False):
+    """As Attention's: the output, and each head's largest scaled logit [H] if asked."""
     q_BSHA, latent_BSR, k_rope_BSp = self._project(x_BSD, positions_BS)
-    return self._attend(q_BSHA, latent_BSR, k_rope_BSp, segment_ids=segment_ids_BS)
+    return self._attend(q_BSHA, latent_BSR, k_rope_BSp, segment_ids_BS, None, with_max_logit)
+
+  def clip_logits(self, eta_H: jax.Array, alpha: float) -> None:
+    """QK-clip (jmoe/model/qk_clip.py): q's no-rope part times eta^alpha and its rotary part
+    times eta, each head's no-rope key (in the key/value up-projection) times eta^(1 - alpha);
+    the shared rotary key and the values as they are. `eta_H`: leading axes a layer stack's."""
+    m = self.cfg.mla
+    n, p = m.qk_nope_head_dim, m.qk_rope_head_dim
+    along = lambda f_H, width: jnp.broadcast_to(f_H[..., None], (*f_H.shape, width))
+    q_HA = jnp.concatenate([along(eta_H ** alpha, n), along(eta_H, p)], axis=-1)
+    k_HY = jnp.concatenate([along(eta_H ** (1 - alpha), n), along(jnp.ones_like(eta_H),
+                                                                    m.v_head_dim)], axis=-1)
+    scale_weights(self.w_q_b_RHA if m.q_lora_rank else self.w_q_DHA, q_HA[..., None, :, :])
+    scale_weights(self.w_kv_b_RHY, k_HY[..., None, :, :])
 
   def cache_shapes(self, batch: int, length: int) -> dict[str, tuple[int, ...]]:
     """The latent cache: each token's normalised latent and its shared rotary key."""
@@ -80,7 +96,7 @@ class MLAttention(nnx.Module):
     allowed_B1ST = kv_cache.visible(positions_BS, cache["latent"].shape[1], 0, False)
     dt = q_BSHA.dtype
     return self._attend(q_BSHA, cache["latent"].astype(dt), cache["k_rope"].astype(dt),
-                        allowed_B1ST=allowed_B1ST), cache
+                        allowed_B1ST=allowed_B1ST)[0], cache
 
   def _project(self, x_BSD, positions_BS):
     """The queries (rotary part roped), each token's normalised latent and its roped rotary key."""
@@ -98,9 +114,11 @@ class MLAttention(nnx.Module):
                               rope(q_BSHA[..., m.qk_nope_head_dim:])], axis=-1)
     return q_BSHA, self.kv_a_norm(kv_BSR), rope(k_rope_BSp[:, :, None, :])[:, :, 0]
 
-  def _attend(self, q_BSHA, latent_BTR, k_rope_BTp, segment_ids=None, allowed_B1ST=None):
+  def _attend(self, q_BSHA, latent_BTR, k_rope_BTp, segment_ids=None, allowed_B1ST=None,
+              with_max_logit=False):
     """Attention of the queries over the keys and values expanded from the latents: causal
-    (within each packed document, with `segment_ids`), or where `allowed_B1ST` says (decoding)."""
+    (within each packed document, with `segment_ids`), or where `allowed_B1ST` says (decoding);
+    and, if asked (not in decoding), the heads' largest scaled logits, else None."""
     m, dt, cfg = self.cfg.mla, self.dtype, self.cfg
     kv_BTHY = adapted(latent_BTR, self.w_kv_b_RHY, 1, self.fp8_kv_b, dt, self.lora, "w_kv_b_RHY")
     k_nope_BTHn, v_BTHW = kv_BTHY[..., :m.qk_nope_head_dim], kv_BTHY[..., m.qk_nope_head_dim:]
@@ -110,10 +128,14 @@ class MLAttention(nnx.Module):
     q_BSHA, k_BTHA, v_BTHW = (constrain(q_BSHA, Q_AXES), constrain(k_BTHA, KV_AXES),
                               constrain(v_BTHW, KV_AXES))
     scale = softmax_scale(m.qk_nope_head_dim + m.qk_rope_head_dim, cfg.yarn)
+    top_H = None
     if allowed_B1ST is None:  # values as they are: the kernels take a value head dim of its own
       out_BSHW = attention(q_BSHA, k_BTHA, v_BTHW, scale=scale, kernel=cfg.attention_kernel,
                            segment_ids=segment_ids, max_documents=cfg.attention_max_documents)
+      if with_max_logit:
+        top_H = max_logit(q_BSHA, k_BTHA, scale=scale, segment_ids=segment_ids)
     else:
       out_BSHW = masked_attention(q_BSHA, k_BTHA, v_BTHW, allowed_B1ST, scale=scale)
     out_BSHW = checkpoint_name(constrain(out_BSHW, Q_AXES), "attention_out")
-    return adapted(out_BSHW, self.w_o_HWD, 2, self.fp8_o, dt, self.lora, "w_o_HWD")
+    out_BSD = adapted(out_BSHW, self.w_o_HWD, 2, self.fp8_o, dt, self.lora, "w_o_HWD")
+    return out_BSD, top_H

@@ -19,7 +19,8 @@ from jmoe.parallel import constrain, gathered
 class MTPModule(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype, dtype, rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None,
+               max_logit: bool = False):
     d = cfg.d_model
     norm = lambda: RMSNorm(d, cfg.norm_eps, param_dtype=param_dtype, rngs=rngs)
     self.dtype = dtype
@@ -28,10 +29,11 @@ class MTPModule(nnx.Module):
                             matrix="io")
     self.fp8_proj = fp8_site(fp8)
     self.block = Block(cfg, moe, param_dtype=param_dtype, dtype=dtype, rngs=rngs, fp8=fp8,
-                       lora=lora)
+                       lora=lora, max_logit=max_logit)
 
   def __call__(self, h_BSD, emb_BSD, positions_BS, segment_ids_BS, rng, layer):
-    """Returns (the new hidden state for the next module, the normed state for the head, stats)."""
+    """Returns (the new hidden state for the next module, the normed state for the head, the
+    block's LayerStats)."""
     x_BS2D = jnp.concatenate([self.embed_norm(emb_BSD), self.hidden_norm(h_BSD)], axis=-1)
     x_BSD = constrain(project(x_BS2D, gathered(self.w_proj_2DD, self.dtype), 1, self.fp8_proj),
                       RESIDUAL_AXES)

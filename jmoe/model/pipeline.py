@@ -33,7 +33,8 @@ MiB per device and step.)
 The backward pass is the loop's own derivative (forward for all micro-batches, then backward,
 as GPipe); `train.remat` applies inside each layer. Router statistics are kept per layer and
 micro-batch, from the stages' active iterations only, and come back as means over micro-batches,
-as the micro-batch loop of a step without stages gives them.
+as the micro-batch loop of a step without stages gives them; attention's largest logits (with
+train.qk_clip) as their maxima.
 
 The stack's parameters keep their [L, ...] shape (checkpoints do not depend on S, R or the
 groups), split over the stage axis in L / S blocks where S divides L: with R = 1 and equal groups
@@ -52,6 +53,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jmoe.model.block import LayerStats
 from jmoe.model.stack import depth, run_stack
 from jmoe.parallel import Layout, constrain
 
@@ -125,6 +127,17 @@ class Slots:
 
 def slots_of(layout: Layout, num_layers: int) -> Slots:
   return Slots(layout.layer_groups(num_layers), layout.stages)
+
+
+def _accumulate(acc_SR: LayerStats, stats_S: LayerStats, on_SR: jax.Array) -> LayerStats:
+  """The stages' stats of one iteration added into their (stage, repeat) totals where `on_SR`:
+  router stats summed (for their means), largest logits kept."""
+  where = lambda s, fill: jnp.where(on_SR.reshape(on_SR.shape + (1,) * (s.ndim - 1)),
+                                    s[:, None], fill)
+  return LayerStats(
+      router=jax.tree.map(lambda acc, s: acc + where(s, 0), acc_SR.router, stats_S.router),
+      max_logit_H=jax.tree.map(lambda acc, s: jnp.maximum(acc, where(s, -jnp.inf)),
+                               acc_SR.max_logit_H, stats_S.max_logit_H))
 
 
 def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_BS: jax.Array,
@@ -228,11 +241,8 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
           repeat_S, first_layer + starts_RS[repeat_S, stage_ids], active_SP)
     # The last stage keeps a micro-batch that has passed R times, for after the loop.
     out_SM = put(out_SM, micro_S, is_last & active_S & (repeat_S == R - 1), y_S)
-    on_S = active_S.reshape((S,) + (1,) * (y_S.ndim - 1))
-    stats_SR = jax.tree.map(
-        lambda acc, s: acc + jnp.where(jax.nn.one_hot(repeat_S, R, dtype=bool).reshape(
-            (S, R) + (1,) * (s.ndim - 1)) & on_S.reshape((S, 1) + (1,) * (s.ndim - 1)),
-            s[:, None], 0), stats_SR, stats_S)
+    stats_SR = _accumulate(stats_SR, stats_S, jax.nn.one_hot(repeat_S, R, dtype=bool)
+                           & active_S[:, None])
     return (layout.next_stage(y_S, wrap=R > 1), circular_SM, out_SM, stats_SR), None
 
   # Each stage's copy of the micro-batches (the batch outside the stages is split over them):
@@ -252,11 +262,15 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
         None if active_RPS is None else active_RPS[0].T)[1]
   stats_SR = jax.tree.map(
       lambda s: inner.on_stages(jnp.zeros((S, R, *s.shape[1:]), jnp.float32)), stats_shape)
+  if stats_SR.max_logit_H is not None:  # (maxima start from nothing seen)
+    stats_SR = stats_SR.replace(max_logit_H=jnp.full_like(stats_SR.max_logit_H, -jnp.inf))
   (_, _, out_SM, stats_SR), _ = jax.lax.scan(
       iteration, (x_S, circular_SM, out_SM, stats_SR), jnp.arange(sched.iterations))
   out_M = out_SM[S - 1]
   # [S, R, width, ...] in layer order (each layer from its slot), averaged over micro-batches.
   real = np.nonzero(slots.active.swapaxes(1, 2))  # (repeat, stage, slot) of each layer, in order
-  stats_L = jax.tree.map(lambda a: a.swapaxes(0, 1)[real] / M, stats_SR)
+  in_order = lambda a: a.swapaxes(0, 1)[real]
+  stats_L = LayerStats(router=jax.tree.map(lambda a: in_order(a) / M, stats_SR.router),
+                       max_logit_H=jax.tree.map(in_order, stats_SR.max_logit_H))
   y_BSD = out_M.reshape(batch, *out_M.shape[2:])
   return constrain(y_BSD, axes), stats_L

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
-from jmoe.model.block import RESIDUAL_AXES, Block
+from jmoe.model.block import RESIDUAL_AXES, Block, LayerStats
 from jmoe.model.layers import Embed, RMSNorm
 from jmoe.model.mtp import MTPModule
 from jmoe.model.pipeline import run_pipeline
@@ -24,13 +24,16 @@ class Transformer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, moe: MoEConfig, *, param_dtype=jnp.float32,
                dtype=jnp.float32, remat: str = "none", rngs: nnx.Rngs,
-               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None):
+               fp8: Fp8Recipe | None = None, lora: LoRAConfig | None = None,
+               max_logit: bool = False):
     """`fp8`: run the GEMMs of attention, MLPs and experts in FP8 with this recipe (the
     embedding, router and LM head stay in the compute dtype or float32). `lora`: low-rank
-    adapters on the weights it targets (jmoe/model/lora.py)."""
+    adapters on the weights it targets (jmoe/model/lora.py). `max_logit`: every attention
+    layer reports its heads' largest logits (train.qk_clip)."""
     self.cfg = cfg
     self.remat = remat
-    kw = dict(param_dtype=param_dtype, dtype=dtype, fp8=fp8, lora=lora)
+    self.max_logit = max_logit
+    kw = dict(param_dtype=param_dtype, dtype=dtype, fp8=fp8, lora=lora, max_logit=max_logit)
     self.embed = Embed(cfg.vocab_size, cfg.d_model, cfg.init_std, param_dtype=param_dtype,
                        dtype=dtype, rngs=rngs)
     self.dense_blocks = (
@@ -52,8 +55,9 @@ class Transformer(nnx.Module):
   def __call__(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
                segment_ids_BS: jax.Array | None = None, *,
                rng: jax.Array | None = None, micro_batches: int = 1
-               ) -> tuple[jax.Array, RouterStats]:
-    """Returns float32 logits and the router stats of each MoE layer (leading axis: MoE layers).
+               ) -> tuple[jax.Array, LayerStats]:
+    """Returns float32 logits and the layers' stats: the router stats of each MoE layer (leading
+    axis: MoE layers) and, with `max_logit`, each layer's heads' largest logits [L, H].
 
     Packed rows pass each token's position in its document and its document's segment id (tokens
     attend only within their document); by default a row is one document. `rng` is for
@@ -67,7 +71,7 @@ class Transformer(nnx.Module):
 
   def hidden(self, tokens_BS: jax.Array, positions_BS: jax.Array | None = None,
              segment_ids_BS: jax.Array | None = None, *, rng: jax.Array | None = None,
-             micro_batches: int = 1) -> tuple[jax.Array, RouterStats]:
+             micro_batches: int = 1) -> tuple[jax.Array, LayerStats]:
     """As `__call__`, but the normed last hidden states the LM head reads (`head_weights`), for
     losses that make the logits themselves a chunk at a time (jmoe/ops/cross_entropy.py)."""
     positions_BS = self._positions(tokens_BS, positions_BS)
@@ -79,7 +83,7 @@ class Transformer(nnx.Module):
                *, rng: jax.Array | None = None, micro_batches: int = 1):
     """Training forward with multi-token prediction: `next_tokens_BLS[:, k]` are the tokens k + 1
     places ahead of `tokens_BS`. Returns (the normed hidden states, each MTP module's [B, depth,
-    S, D], router stats of the MoE layers and then the MTP blocks): `head_weights` makes their
+    S, D], the stats of the layers and then the MTP blocks): `head_weights` makes their
     logits."""
     positions_BS = self._positions(tokens_BS, positions_BS)
     trunk_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches)
@@ -135,31 +139,51 @@ class Transformer(nnx.Module):
       bias = module.block.mlp.expert_bias_E
       bias[...] = bias_step(bias[...], load_LE[num_moe + k], rate)
 
+  def clip_attention_logits(self, eta_LH: jax.Array, alpha: float) -> None:
+    """QK-clip after a step (jmoe/model/qk_clip.py): each attention layer's query and key
+    projections scaled so that head h's logits scale by eta_LH[layer, h] (rows: the layers in
+    order, then the MTP blocks), the queries taking eta^alpha."""
+    k, num_layers = self.first_moe_layer, self.cfg.num_layers
+    if self.dense_blocks is not None:
+      self.dense_blocks.attn.clip_logits(eta_LH[:k], alpha)
+    if self.moe_blocks is not None:
+      self.moe_blocks.attn.clip_logits(eta_LH[k:num_layers], alpha)
+    for i, module in enumerate(self.mtp):
+      module.block.attn.clip_logits(eta_LH[num_layers + i], alpha)
+
   def _positions(self, tokens_BS, positions_BS):
     if positions_BS is None:
       positions_BS = jnp.broadcast_to(jnp.arange(tokens_BS.shape[1]), tokens_BS.shape)
     return positions_BS
 
   def _trunk(self, tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches=1):
-    """The hidden state after the last block (before the final norm) and the MoE router stats;
-    the MoE blocks in the active layout's pipeline stages if it has them."""
+    """The hidden state after the last block (before the final norm) and the layers' stats (the
+    MoE layers' router stats, every layer's largest logits if asked); the MoE blocks in the
+    active layout's pipeline stages if it has them."""
     x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
+    tops = []
     if self.dense_blocks is not None:
-      x_BSD, _ = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
-                           remat=self.remat, unroll=self.cfg.scan_unroll)
+      x_BSD, dense = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
+                               remat=self.remat, unroll=self.cfg.scan_unroll)
+      tops.append(dense.max_logit_H)
     if self.moe_blocks is None:
       no_layers = jnp.zeros((0,), jnp.float32)
-      return x_BSD, RouterStats(aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
-                                overflow_rounds=no_layers,
-                                load_E=jnp.zeros((0, self.num_experts), jnp.float32))
-    layout = active_layout()
-    if layout is not None and layout.stages > 1:
-      return run_pipeline(self.moe_blocks, layout, x_BSD, positions_BS, segment_ids_BS,
-                          micro_batches=micro_batches, remat=self.remat, rng=rng,
-                          first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll,
-                          axes=RESIDUAL_AXES)
-    return run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS, remat=self.remat,
-                     rng=rng, first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll)
+      stats = LayerStats(router=RouterStats(
+          aux_loss=no_layers, z_loss=no_layers, dropped_fraction=no_layers,
+          overflow_rounds=no_layers, load_E=jnp.zeros((0, self.num_experts), jnp.float32)),
+          max_logit_H=None)
+    elif (layout := active_layout()) is not None and layout.stages > 1:
+      x_BSD, stats = run_pipeline(self.moe_blocks, layout, x_BSD, positions_BS, segment_ids_BS,
+                                  micro_batches=micro_batches, remat=self.remat, rng=rng,
+                                  first_layer=self.first_moe_layer, unroll=self.cfg.scan_unroll,
+                                  axes=RESIDUAL_AXES)
+    else:
+      x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS,
+                               remat=self.remat, rng=rng, first_layer=self.first_moe_layer,
+                               unroll=self.cfg.scan_unroll)
+    tops.append(stats.max_logit_H)
+    top_LH = jnp.concatenate([t for t in tops if t is not None]) if self.max_logit else None
+    return x_BSD, stats.replace(max_logit_H=top_LH)
 
   def _logits(self, x_BSD):
     logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_weights(x_BSD.dtype))

@@ -5,6 +5,7 @@
   fp8.py           float8 quantization and the dense FP8 GEMM (delayed or current scaling)
   fp8_grouped.py   FP8 grouped and batched expert GEMMs (row-wise scales)
   attention.py     attention kernels (cuDNN, XLA)
+  max_logit.py     each attention head's largest logit, a block of queries at a time (QK-clip)
   activations.py   gated activations of the expert FFNs
   remat.py         rematerialisation policies by checkpoint name
   rows.py          row moves: groups of sorted rows, gathers with gather gradients, `run_if`

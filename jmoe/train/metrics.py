@@ -22,6 +22,8 @@ def summarize(raw: dict[str, Any], step: int) -> dict[str, Any]:
     # Busiest expert's share over the balanced share, per layer; 1.0 is perfect balance.
     imbalance_L = load_LE.max(axis=-1) * load_LE.shape[-1]
     record["expert_load_max_over_mean"] = float(imbalance_L.max())
+  if "attention_max_logit" in raw:  # (with train.qk_clip) each layer's; and the largest
+    record["attention_max_logit_max"] = float(np.max(raw["attention_max_logit"]))
   return record
 
 

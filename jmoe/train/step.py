@@ -11,13 +11,16 @@ from flax import nnx
 
 from jmoe.config import Config
 from jmoe.model.factory import DTYPES
+from jmoe.model.qk_clip import clip_factors
 from jmoe.model.transformer import LOGITS_AXES
 from jmoe.ops.cross_entropy import linear_cross_entropy
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import Layout, active_layout, constrain
 from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
 from jmoe.train.optimizer import AdamW, global_norm, learning_rate
-from jmoe.train.state import StateSpec, TrainState, frozen
+from jmoe.train.state import StateSpec, TrainState, frozen, trainable
+
+MAX_LOGIT = "attention_max_logit"  # the metric: per layer (and, inside the step, per head)
 
 
 def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
@@ -64,15 +67,17 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     else:
       h_BSD, stats = model.hidden(rng=rng, micro_batches=micro_batches, **inputs)
     lm_loss = nll_sum(h_BSD, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
-    aux_loss, z_loss = balance_losses(stats, config.moe.balance)
+    aux_loss, z_loss = balance_losses(stats.router, config.moe.balance)
     aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
     # over the MoE layers; 0 without any (a mean over none would be NaN, which JSON cannot hold)
     per_layer = lambda x_L: jnp.sum(x_L) / max(x_L.size, 1)
     metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
-                    "expert_load": stats.load_E / num_micro,
-                    "dropped_fraction": per_layer(stats.dropped_fraction) / num_micro})
+                    "expert_load": stats.router.load_E / num_micro,
+                    "dropped_fraction": per_layer(stats.router.dropped_fraction) / num_micro})
     if rounds_possible:  # elsewhere always 0
-      metrics["overflow_rounds"] = per_layer(stats.overflow_rounds) / num_micro
+      metrics["overflow_rounds"] = per_layer(stats.router.overflow_rounds) / num_micro
+    if stats.max_logit_H is not None:  # [L, H] (a maximum over micro-batches, not a sum)
+      metrics[MAX_LOGIT] = stats.max_logit_H
     return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn
@@ -122,10 +127,13 @@ def make_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
       # Every micro-batch pushes onto the same history: the largest of their amaxes is kept.
       return (jax.tree.map(jnp.add, carry[0], grads), jax.tree.map(jnp.maximum, carry[1],
                                                                     new_histories),
-              jax.tree.map(jnp.add, carry[2], metrics)), None
+              {k: (jnp.maximum if k == MAX_LOGIT else jnp.add)(carry[2][k], v)
+               for k, v in metrics.items()}), None
 
     zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(
         one, jax.tree.map(lambda x: x[0], micro_batches), 0, num_micro))
+    if MAX_LOGIT in zeros[2]:
+      zeros[2][MAX_LOGIT] = jnp.full_like(zeros[2][MAX_LOGIT], -jnp.inf)
     (grads, histories, metrics), _ = jax.lax.scan(accumulate, zeros,
                                                   (micro_batches, jnp.arange(num_micro)))
     return grads, histories, metrics
@@ -158,9 +166,16 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
                                           metrics["grad_norm"], applied=finite)
     base, others = nnx.split_state(others, frozen(config), ...)  # the frozen model passes by
     rest = nnx.merge_state(histories, others)
-    if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
+    top_LH = metrics.pop(MAX_LOGIT, None)
+    if bias_rate > 0 or top_LH is not None:
       model = nnx.merge(graphdef, params, base, rest)
-      model.update_expert_bias(metrics["expert_load"], bias_rate)
+      if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
+        model.update_expert_bias(metrics["expert_load"], bias_rate)
+      if top_LH is not None:  # QK-clip, after the update (none on a skipped step)
+        metrics[MAX_LOGIT] = jnp.max(top_LH, axis=-1)
+        eta_LH = jnp.where(finite, clip_factors(top_LH, config.train.qk_clip), 1.0)
+        model.clip_attention_logits(eta_LH, config.train.qk_clip_alpha)
+        params = nnx.state(model, trainable(config))
       rest = nnx.state(model, nnx.Not(nnx.Param))
     old = nnx.split_state(state.rest, frozen(config), ...)[1]
     rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest, old)
