@@ -16,7 +16,8 @@ from jmoe.ops.fp8 import Fp8Dot, Fp8Recipe, fp8_dot
 from jmoe.ops.fp8_grouped import batched_fp8, grouped_fp8
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
 
-FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items() if backend.fp8}
+FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items()
+                if backend.fp8 and backend.portable}
 from jmoe.train.loop import train
 from helpers import tiny_config
 
