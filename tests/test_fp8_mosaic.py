@@ -144,3 +144,39 @@ def test_fp8_with_mosaic_runs_the_mosaic_kernels(monkeypatch):
 
 def test_kernels_module_imports_without_a_gpu():
   assert callable(kernels.ragged_rows) and callable(kernels.aligned_contract)
+
+
+def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatch):
+  """scripts/check_gpu_fp8.py's cases with the stand-in kernels (float32 accumulation, one bf16
+  rounding: what the kernels do) pass, well inside FP8_TOLERANCE; a kernel whose output is 2x
+  on one expert's rows, or whose weight gradient misses a column block, fails."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  try:
+    import check_gpu_fp8 as check
+  finally:
+    sys.path.pop(0)
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
+  monkeypatch.setitem(check.SHAPES, "small", (6, 256, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  assert not c["sizes"].all() and c["sizes"].sum() < 500  # empty experts, rows past the groups
+  good = check.kernel_case(c)
+  assert good["ok"], good
+  assert max(good["out"], good["dx"], good["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE
+  assert check.grouped_case(c)["ok"]
+
+  def doubled_rows(a, b, table, **kw):  # expert 2's rows scaled twice
+    y = fake_rows(a, b, table, **kw)
+    rows = np.cumsum(c["sizes"])
+    return y.at[int(rows[1]):int(rows[2])].multiply(2)
+
+  def short_contract(a, b, blocks, **kw):  # the last column block of each expert dropped
+    return fake_contract(a, b, blocks.at[1].set(jnp.maximum(blocks[1] - 1, 0)), **kw)
+
+  monkeypatch.setattr(kernels, "ragged_rows", doubled_rows)
+  assert not check.kernel_case(c)["ok"]
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", short_contract)
+  assert not check.kernel_case(c)["ok"]
