@@ -300,7 +300,9 @@ class PrecisionConfig:
   # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/ops/fp8.py).
   # mxfp8 and nvfp4 name Blackwell's block-scaled formats: planned, see docs/FP8.md.
   gemm: str = "bf16"
-  fp8_recipe: str = "current"  # dense GEMMs' scales: current (per-tensor amax now) | delayed
+  # current (per-tensor amax now; experts per row and expert) | delayed (dense GEMMs: amax
+  # history) | blockwise (experts: DeepSeek-V3's 1 x 128 / 128 x 128 tiles; dense as current)
+  fp8_recipe: str = "current"
   fp8_amax_history: int = 16  # steps of amax kept per GEMM for delayed scaling
   fp8_grad_format: str = "e5m2"  # float8 format of the gradients: e5m2 | e4m3
   fp8_experts: bool = True  # expert GEMMs in FP8 too (row-wise current scaling)

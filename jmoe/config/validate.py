@@ -224,6 +224,7 @@ def _data(config: Config):
 
 
 BLACKWELL_FORMATS = ("mxfp8", "nvfp4")
+FP8_RECIPES = ("current", "delayed", "blockwise")
 
 
 def _precision(p):
@@ -233,7 +234,11 @@ def _precision(p):
            "precision.gemm=fp8, or bf16")
     return
   yield from _one_of("precision.gemm", p.gemm, ("bf16", "fp8"))
-  yield from _one_of("precision.fp8_recipe", p.fp8_recipe, ("current", "delayed"))
+  yield from _one_of("precision.fp8_recipe", p.fp8_recipe, FP8_RECIPES)
+  if p.gemm == "fp8" and p.fp8_recipe == "blockwise" and not p.fp8_experts:
+    yield ("precision.fp8_recipe=blockwise scales the expert GEMMs, which "
+           "precision.fp8_experts=false leaves in bf16: set fp8_experts=true or use "
+           "fp8_recipe=current")
   yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, FORMATS)
   if p.gemm != "fp8" and p.fp8_dispatch:
     yield "precision.fp8_dispatch needs precision.gemm=fp8"
@@ -244,6 +249,10 @@ def _other(config: Config):
   yield from _one_of("precision.compute", config.precision.compute, DTYPES)
   yield from _one_of("precision.moments", config.precision.moments, DTYPES)
   yield from _precision(config.precision)
+  p = config.precision
+  if p.gemm == "fp8" and p.fp8_recipe == "blockwise" and config.moe.expert_blocks:
+    yield ("precision.fp8_recipe=blockwise runs the expert GEMMs grouped; moe.expert_blocks "
+           "would run most rows as per-row scaled blocks: set moe.expert_blocks=0")
   for group in ("dense", "expert"):
     layout = getattr(config.parallel, group)
     sizes = {k: v for k, v in vars(layout).items()}

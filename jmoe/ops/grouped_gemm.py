@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
+from jmoe.ops.fp8_blockwise import blockwise_grouped
 from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
 from jmoe.ops.fp8_mosaic import mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
@@ -112,14 +113,18 @@ def check_backend(name: str) -> None:
 
 
 @functools.cache
-def grouped_gemm(name: str, fp8_grad_format: str | None = None) -> GroupedGemm:
+def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False
+                 ) -> GroupedGemm:
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
-  is given and the backend has float8 kernels."""
+  is given and the backend has float8 kernels; with `blockwise`, on DeepSeek-V3's blockwise
+  scaled operands through its 16-bit kernels (jmoe/ops/fp8_blockwise.py)."""
   check_backend(name)
   name = auto_gemm() if name == "auto" else name
   backend = GEMM_BACKENDS[name]
   if fp8_grad_format is None:
     return backend
+  if blockwise:
+    return dataclasses.replace(backend, gemm=blockwise_grouped(backend.gemm, fp8_grad_format))
   if backend.fp8 is None:
     log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
                 "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
