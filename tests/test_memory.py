@@ -39,7 +39,8 @@ LAYOUTS = {
     "4 micro-batches": dict(train=dict(micro_batch_size=16)),
     # 4 MoE layers in 2 stages, 4 micro-batches through them
     "pipeline 2 x expert 4": dict(parallel=dict(pipeline=2, dense=dict(data=4),
-                                                expert=dict(data=1, expert=4)),
+                                                expert=dict(data=1, expert=4),
+                                                pipeline_schedule="gpipe"),
                                   moe=dict(dispatcher="alltoall"), model=dict(num_layers=5),
                                   train=dict(micro_batch_size=16)),
 }

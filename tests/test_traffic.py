@@ -84,7 +84,8 @@ def test_allgather_dispatch_sends_no_all_to_all():
 def test_pipeline_stages_pass_activations():
   """PP 2: the stages hand their micro-batches on with collective-permutes; the exchange also
   runs in the bubble's iterations (5 for 4 micro-batches), so above the factor."""
-  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+  config = tiny("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe",
+                "parallel.expert.expert=4", "model.num_layers=5",
                 "train.batch_size=16", "train.micro_batch_size=4")
   report = communication(config, make_layout(config.parallel))
   assert report["bytes_per_device"]["collective-permute"] > 0
@@ -99,7 +100,8 @@ def test_pipeline_hands_on_one_micro_batch_per_stage_boundary():
   inputs broadcast over the stages by all-gathers and all-reduces)."""
   import re
   from jmoe.memory.traffic import compiled_texts
-  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+  config = tiny("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe",
+                "parallel.expert.expert=4", "model.num_layers=5",
                 "train.batch_size=16", "train.micro_batch_size=4")
   optimized, partitioned = compiled_texts(config, make_layout(config.parallel))
   in_loop = [line for line in optimized.splitlines()
