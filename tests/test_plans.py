@@ -73,3 +73,18 @@ def test_plan_fits_an_h200(name, estimates):
   record = estimates[name]
   print(f"{name}: {record['total'] / 2**30:.1f} GiB per GPU on {record['devices']}")
   assert record["total"] <= H200_BYTES
+
+
+def test_estimate_script_reports_the_pipeline_idle_shares(capsys):
+  # 3 MoE layers in 2 stages (2 + 1: every stage runs 2 slots, one of the 4 masked), 4
+  # micro-batches: 5 iterations of the schedule, 1 of them idle on each stage.
+  import runpy
+  from helpers import tiny_config
+  from jmoe.parallel import make_layout
+  cfg = tiny_config(parallel=dict(pipeline=2, dense=dict(data=4)),
+                    train=dict(batch_size=16, micro_batch_size=4))
+  assert cfg.model.num_layers - cfg.moe.first_k_dense == 3
+  shares = runpy.run_path(str(ROOT / "scripts" / "estimate_memory.py"))["pipeline"](
+      cfg, make_layout(cfg.parallel))
+  assert shares == {"bubble": 0.2, "masked_slots": 0.25}
+  assert "idle 40.0%; MoE layers per stage: 2, 1" in capsys.readouterr().out
