@@ -81,7 +81,7 @@ def test_estimate_script_reports_the_pipeline_idle_shares(capsys):
   import runpy
   from helpers import tiny_config
   from jmoe.parallel import make_layout
-  cfg = tiny_config(parallel=dict(pipeline=2, dense=dict(data=4)),
+  cfg = tiny_config(model=dict(num_layers=4), parallel=dict(pipeline=2, dense=dict(data=4)),
                     train=dict(batch_size=16, micro_batch_size=4))
   assert cfg.model.num_layers - cfg.moe.first_k_dense == 3
   shares = runpy.run_path(str(ROOT / "scripts" / "estimate_memory.py"))["pipeline"](
