@@ -117,8 +117,8 @@ def test_walk_places_values_with_what_they_go_with():
   """What pipeline stages make on 8 devices (2 stages x FSDP 4): a per-stage mask broadcast to
   a micro-batch's shape, a hand-off between stages (a shard_map manual over the stage axis
   only) and a buffer of micro-batches written into are split as the micro-batch is, over all 8
-  devices, not only over the stages as their operands or specs alone would say (170 GiB of
-  configs/plans/deepseek_v3_256gpu.py's estimate, docs/MEMORY.md)."""
+  devices, not only over the stages as their operands or specs alone would say (227 of the
+  316 GiB first estimated for configs/plans/deepseek_v3_256gpu.py, docs/MEMORY.md)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jmoe.memory.flat import flatten
   from jmoe.memory.walk import Value, Walker
