@@ -26,8 +26,8 @@ bf16 mixed precision with the distributed optimizer, sequence parallelism, 3 den
   published one).
 - float32 parameters and moments, bf16 compute (Megatron's bf16 mode keeps float32 master weights
   and Adam moments); no multi-token prediction module, as the benchmark ran.
-- `moe.router.force_balanced`, as the benchmark's forced load balancing (`--moe-router-force-load-
-  balancing`, which its scripts add for dropless speed runs).
+- `moe.router.force_balanced`: the zoo's scripts name `--moe-router-force-load-balancing` for
+  forced-balance (dropless) speed runs, as AutoModel's rows use a balanced gate.
 The published schedule is 1F1B; jmoe's is GPipe: its activation memory is GPipe's.
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024
