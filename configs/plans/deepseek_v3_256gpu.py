@@ -26,6 +26,9 @@ Adam without weight decay, no gradient clipping, mock data). Read here as:
   transformers', has none (an assumption from the model code, not stated in the table).
 The published schedule is interleaved 1F1B; jmoe's is GPipe (all micro-batches forward, then
 backward), which keeps every micro-batch's stage inputs: its activation memory is GPipe's.
+The estimate fits an H200 (88.7 GiB) but XLA, compiled for 256 mocked H200s, holds 201.8 GiB
+(with XLA's attention: cuDNN's does not compile in vmapped stages with latent attention):
+the pipeline's copies of the micro-batches end up whole on every GPU (docs/MEMORY.md).
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_256gpu.py --devices 256
   python scripts/comm_volume.py --config configs/plans/deepseek_v3_256gpu.py --devices 256

@@ -28,7 +28,9 @@ bf16 mixed precision with the distributed optimizer, sequence parallelism, 3 den
   and Adam moments); no multi-token prediction module, as the benchmark ran.
 - `moe.router.force_balanced`: the zoo's scripts name `--moe-router-force-load-balancing` for
   forced-balance (dropless) speed runs, as AutoModel's rows use a balanced gate.
-The published schedule is 1F1B; jmoe's is GPipe: its activation memory is GPipe's.
+The published schedule is 1F1B; jmoe's is GPipe: its activation memory is GPipe's. It does not
+fit an H200 by 0.7 GB (estimate 132.0 GiB, docs/MEMORY.md); bf16 AdamW moments
+(`--config.precision.moments=bfloat16`) fit (117.1 GiB).
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024
   python scripts/comm_volume.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024

@@ -13,7 +13,10 @@ asks for 64: this plan follows the recipe (2 of the 128 experts per GPU, all-to-
 - `train.remat=none`; bf16 parameters, moments and compute (the published rows are "BF16"; the
   dtypes of the optimizer's state are an assumption);
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
-No pipeline stages: the schedule question does not arise.
+No pipeline stages: the schedule question does not arise. It does not fit an H200 (estimate
+139.2 GiB, XLA 136.7 on 64 mocked H200s; docs/MEMORY.md): without recomputation each MoE layer
+keeps its all-to-all blocks; `--config.train.remat=attention_moe` fits (33.5 GiB), as does one
+sequence per GPU (`--config.train.micro_batch_size=64`, 81.7 GiB).
 
   python scripts/estimate_memory.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64
   python scripts/comm_volume.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64

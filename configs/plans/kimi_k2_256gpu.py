@@ -21,6 +21,9 @@ without weight decay, mock data). Read here as:
   dtypes of the optimizer's state are an assumption, as for configs/plans/deepseek_v3_256gpu.py).
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
 The published schedule is interleaved 1F1B; jmoe's is GPipe: its activation memory is GPipe's.
+It does not fit an H200 today (estimate 201.3 GiB, docs/MEMORY.md): with virtual stages the
+pipeline keeps each iteration's layer weights for the backward pass (140 GiB);
+`--config.parallel.pipeline_repeats=1` fits (74.0 GiB) at a 30% bubble.
 
   python scripts/estimate_memory.py --config configs/plans/kimi_k2_256gpu.py --devices 256
   python scripts/comm_volume.py --config configs/plans/kimi_k2_256gpu.py --devices 256
