@@ -52,6 +52,25 @@ def test_each_collective_counts_as_a_ring_sends_it():
   assert sum(traffic.if_taken.values()) == 0
 
 
+
+def test_combined_collectives_count_as_the_ones_they_join():
+  """XLA's combiner joins two gradient reductions into one float32 tuple all-reduce named
+  "PREFIX/(a:b)" after partitioning, where they were bfloat16: one reduce-scatter (its sum only
+  sliced, through a transpose) and one all-reduce. Each counts as it was, in bfloat16."""
+  partitioned = """ENTRY %main (p0: bf16[64], p1: bf16[32]) -> bf16[8] {
+  %ar.1 = bf16[64]{0} all-reduce(%p0), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/w/dot_general"}
+  %t.1 = bf16[64]{0} transpose(%ar.1), dimensions={0}
+  %ds.1 = bf16[8]{0} dynamic-slice(%t.1, %i), dynamic_slice_sizes={8}
+  %ar.2 = bf16[32]{0} all-reduce(%p1), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/b/reduce_sum"}
+  ROOT %add.1 = bf16[32]{0} add(%ar.2, %ar.2)
+}"""
+  optimized = """ENTRY %main (p0: f32[64], p1: f32[32]) -> f32[8] {
+  %ar = (f32[64]{0}, f32[32]{0}) all-reduce(%p0, %p1), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/(w/dot_general:b/reduce_sum)"}
+}"""
+  traffic = collective_traffic(optimized, N, partitioned)
+  assert traffic.every_step["reduce-scatter"] == 64 * 2 / N * (N - 1)
+  assert traffic.every_step["all-reduce"] == 2 * 32 * 2 * (N - 1) / N
+
 def tiny(*overrides):
   return load_config(ROOT / "configs/tiny_moe.py", [
       "moe.dispatcher=alltoall", "moe.router.force_balanced=true", "precision.compute=bfloat16",
