@@ -46,7 +46,8 @@ DEVICES = 1024
 def get_config():
   c = read_config_file(pathlib.Path(__file__).parents[1] / "deepseek_v3.py")
   c.model.mtp_depth = 0
-  c.parallel.update(pipeline=16, pipeline_first=1, pipeline_last=1)
+  # GPipe: the figures in docs/MEMORY.md are its (see there for 1F1B)
+  c.parallel.update(pipeline=16, pipeline_first=1, pipeline_last=1, pipeline_schedule="gpipe")
   c.parallel.dense.update(data=1, fsdp=64, context=1, tensor=1)
   c.parallel.expert.update(data=1, expert=64, tensor=1)
   c.moe.dispatcher = "alltoall"

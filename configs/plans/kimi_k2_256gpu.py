@@ -38,7 +38,8 @@ DEVICES = 256
 
 def get_config():
   c = read_config_file(pathlib.Path(__file__).parents[1] / "kimi_k2.py")
-  c.parallel.update(pipeline=8, pipeline_repeats=4)
+  # GPipe: the figures in docs/MEMORY.md are its (see there for the interleaved schedule)
+  c.parallel.update(pipeline=8, pipeline_repeats=4, pipeline_schedule="gpipe")
   c.parallel.dense.update(data=1, fsdp=32, context=1, tensor=1)
   c.parallel.expert.update(data=1, expert=32, tensor=1)
   c.moe.dispatcher = "alltoall"
