@@ -14,7 +14,9 @@ CPU devices (the script runs itself again with them; nothing runs on them, the s
 traced), for the GPU platform unless `--platform` says otherwise. `--compare` also compiles the
 step on the devices at hand and prints XLA's own figure and the difference; with `--mock-gpus N`
 on one GPU, JAX pretends to have N (a mocked topology: the step compiles for N GPUs, nothing
-runs), so a many-GPU layout's XLA figure is known before renting the GPUs.
+runs), so a many-GPU layout's XLA figure is known before renting the GPUs. With pipeline
+stages it also prints the share of the step each stage idles (the schedule's bubble and the
+layer slots uneven groups leave empty).
 Prints a table, then one JSON line.
 """
 
@@ -75,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                  for k, v in result.by_category.items()}}
     if device_bytes:
       record["fits"] = result.total <= device_bytes
+    if layout.stages > 1:
+      record.update(pipeline(config, layout))
     if args.compare:
       xla = compiled_bytes(config, layout)
       record.update(xla_gib=round(xla / 2**30, 3), error=round(result.total / xla - 1, 4))
@@ -84,6 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
   return run(command)
+
+
+def pipeline(config, layout) -> dict:
+  """Prints and returns the pipeline's idle shares: the schedule's bubble, (S - 1) / (R M + S - 1)
+  of the iterations, and the masked slots, the share of each stage's layer slots that hold no
+  layer where the groups are uneven (a synchronous pipeline waits for its largest group)."""
+  from jmoe.model.pipeline import bubble_fraction, slots_of
+  micro = config.train.num_micro_batches
+  slots = slots_of(layout, config.model.num_layers - config.moe.first_k_dense)
+  bubble = bubble_fraction(layout.stages, layout.repeats, micro)
+  masked = 1 - sum(slots.counts) / (len(slots.counts) * slots.width)
+  print(f"pipeline: {micro} micro-batches through {layout.stages} stages x {layout.repeats} "
+        f"repeat(s): bubble {bubble:.1%}, masked slots {masked:.1%}, idle "
+        f"{1 - (1 - bubble) * (1 - masked):.1%}; {slots.describe()}")
+  return {"bubble": round(bubble, 4), "masked_slots": round(masked, 4)}
 
 
 def mock_gpus(count: int) -> None:

@@ -39,7 +39,8 @@ LAYOUTS = {
     "4 micro-batches": dict(train=dict(micro_batch_size=16)),
     # 4 MoE layers in 2 stages, 4 micro-batches through them
     "pipeline 2 x expert 4": dict(parallel=dict(pipeline=2, dense=dict(data=4),
-                                                expert=dict(data=1, expert=4)),
+                                                expert=dict(data=1, expert=4),
+                                                pipeline_schedule="gpipe"),
                                   moe=dict(dispatcher="alltoall"), model=dict(num_layers=5),
                                   train=dict(micro_batch_size=16)),
 }
@@ -111,6 +112,36 @@ def test_walk_rules():
   inner = jax.jit(lambda x: jnp.exp(x) * 2)
   assert function_peak(lambda x: jnp.sum(inner(x)), x) == 4
 
+
+
+def test_walk_places_values_with_what_they_go_with():
+  """What pipeline stages make on 8 devices (2 stages x FSDP 4): a per-stage mask broadcast to
+  a micro-batch's shape, a hand-off between stages (a shard_map manual over the stage axis
+  only) and a buffer of micro-batches written into are split as the micro-batch is, over all 8
+  devices, not only over the stages as their operands or specs alone would say (227 of the
+  316 GiB first estimated for configs/plans/deepseek_v3_256gpu.py, docs/MEMORY.md)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jmoe.memory.flat import flatten
+  from jmoe.memory.walk import Value, Walker
+  mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
+  pin = lambda a, *spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
+
+  def stages(x_SBD, on_S, buf_SMBD):
+    x_SBD, on_S, buf_SMBD = pin(x_SBD, "stage", "fsdp"), pin(on_S, "stage"), pin(buf_SMBD, "stage")
+    mask_SBD = jnp.broadcast_to(on_S[:, None, None], x_SBD.shape)
+    handed_SBD = jax.shard_map(lambda b: jax.lax.ppermute(b, "stage", [(0, 1)]), mesh=mesh,
+                               in_specs=P("stage"), out_specs=P("stage"),
+                               axis_names={"stage"})(x_SBD)
+    return mask_SBD, handed_SBD, buf_SMBD.at[:, 1].set(x_SBD), x_SBD * 2
+
+  args = (jax.ShapeDtypeStruct((2, 8, 64), jnp.float32), jax.ShapeDtypeStruct((2,), bool),
+          jax.ShapeDtypeStruct((2, 4, 8, 64), jnp.float32))
+  jaxpr = flatten(jax.make_jaxpr(stages)(*args).jaxpr)
+  env = {v: Value(0, 1, "batch") for v in jaxpr.invars}
+  outs = Walker(dict(mesh.shape), {}, "gpu").walk(jaxpr, env).outs
+  assert [value.d for value in outs] == [8, 8, 8, 8]
+  assert [value.bytes for value in outs] == [2 * 8 * 64 // 8, 2 * 8 * 64 * 4 // 8,
+                                             2 * 4 * 8 * 64 * 4 // 8, 2 * 8 * 64 * 4 // 8]
 
 def test_fused_attention_stand_in_is_attention():
   """What GPU estimates trace for cuDNN's kernel is XLA's attention kernel, value for value and

@@ -1,7 +1,10 @@
-"""Pipeline stages (jmoe/model/pipeline.py) compute what the single-device micro-batch loop
-computes: loss, every gradient and the per-layer router statistics, for stages folded with the
-dense and expert layouts, circular repeats, uneven groups of layers and a model with dense layers
-first; and checkpoints move between pipeline sizes."""
+"""Pipeline stages (jmoe/model/pipeline.py, pipeline_1f1b.py) compute what the single-device
+micro-batch loop computes: loss, every gradient and the per-layer router statistics, under each
+schedule (GPipe, 1F1B, interleaved), for stages folded with the dense and expert layouts, circular
+repeats, uneven groups of layers and a model with dense layers first; and checkpoints move
+between pipeline sizes and schedules."""
+
+import functools
 
 import shutil
 
@@ -11,7 +14,7 @@ import pytest
 
 from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
 from jmoe.data import first_batches
-from jmoe.model.pipeline import Slots, bubble_fraction
+from jmoe.model.pipeline import Schedule, Slots, bubble_fraction
 from jmoe.parallel import make_layout
 from jmoe.train.loop import train
 from jmoe.train.optimizer import make_optimizer
@@ -29,7 +32,21 @@ LAYOUTS = {  # name: parallel config
     "pp4_fsdp2": dict(pipeline=4, dense=dict(data=1, fsdp=2), expert=dict(data=2)),
     "pp2_repeats2": dict(pipeline=2, pipeline_repeats=2, dense=dict(data=4),
                          expert=dict(data=2, expert=2)),
+    "pp2_repeats2_fsdp2_tp2": dict(pipeline=2, pipeline_repeats=2,
+                                   dense=dict(data=1, fsdp=2, tensor=2),
+                                   expert=dict(data=1, expert=2, tensor=2)),
 }
+# (layout, schedule): GPipe on each layout; 1F1B folded with EP x TP (4 micro-batches: on 2
+# stages more than the 3 in flight, so the ring of stage inputs wraps) and FSDP; interleaved
+# with FSDP x TP x EP (and EP alone among the uneven cases below).
+SCHEDULES = [*((name, "gpipe") for name in ("pp2_ep4", "pp2_tp2_ep2", "pp4_fsdp2",
+                                            "pp2_repeats2")),
+             ("pp2_tp2_ep2", "1f1b"), ("pp4_fsdp2", "1f1b"),
+             ("pp2_repeats2_fsdp2_tp2", "interleaved")]
+
+
+def pipelined(repeats: int) -> str:
+  return "interleaved" if repeats > 1 else "1f1b"
 
 
 def config_for(parallel=None, checkpoint=None, **train):
@@ -55,9 +72,10 @@ def reference():
   return gradients(config_for(), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
-def test_stages_match_single_device(name, reference):
-  assert_matches(gradients(config_for(LAYOUTS[name]), jax.devices()), reference)
+@pytest.mark.parametrize("name, schedule", SCHEDULES)
+def test_stages_match_single_device(name, schedule, reference):
+  parallel = dict(LAYOUTS[name], pipeline_schedule=schedule)
+  assert_matches(gradients(config_for(parallel), jax.devices()), reference)
 
 
 def assert_matches(result, reference):
@@ -83,15 +101,28 @@ UNEVEN = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(UNEVEN))
-def test_uneven_stages_match_single_device(name):
-  moe_layers, parallel = UNEVEN[name]
-  config = lambda parallel=None: tiny_config(
+def uneven_config(moe_layers, parallel=None):
+  return tiny_config(
       model=dict(MODEL, num_layers=moe_layers + 1), train=BATCH,
       moe=dict(dispatcher="alltoall", balance=dict(aux_loss_coef=0.01, z_loss_coef=0.001)),
       **({"parallel": parallel} if parallel else {}))
-  assert_matches(gradients(config(parallel), jax.devices()),
-                 gradients(config(), jax.devices()[:1]))
+
+
+@functools.lru_cache(maxsize=None)
+def uneven_reference(moe_layers):
+  return gradients(uneven_config(moe_layers), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("name", sorted(UNEVEN))
+@pytest.mark.parametrize("schedule", ["gpipe", "pipelined"])
+def test_uneven_stages_match_single_device(name, schedule):
+  """`pipelined`: 1F1B, or interleaved where the stages have repeats."""
+  moe_layers, parallel = UNEVEN[name]
+  if schedule == "pipelined":
+    schedule = pipelined(parallel.get("pipeline_repeats", 1))
+  parallel = dict(parallel, pipeline_schedule=schedule)
+  assert_matches(gradients(uneven_config(moe_layers, parallel), jax.devices()),
+                 uneven_reference(moe_layers))
 
 
 def test_slots_of_uneven_groups():
@@ -124,16 +155,19 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("family, layers", [*((f, None) for f in sorted(FAMILIES)),
-                                             ("deepseek", 4), ("gpt_oss", 3)])
-def test_families_match_single_device(family, layers):
+@pytest.mark.parametrize("family, layers, schedule", [
+    *((f, None, "gpipe") for f in sorted(FAMILIES)), ("deepseek", 4, "gpipe"),
+    ("gpt_oss", 3, "gpipe"), ("deepseek", 4, "1f1b")])
+def test_families_match_single_device(family, layers, schedule):
   """`layers`: fewer layers, so that the MoE blocks split unevenly (2 + 1: the MTP module after
-  them; the sliding windows alternating by each layer's index in the model)."""
+  them, under 1F1B on each micro-batch as it leaves the last stage; the sliding windows
+  alternating by each layer's index in the model)."""
   variant = FAMILIES[family]
   if layers:
     variant = dict(variant, model=dict(variant["model"], num_layers=layers))
   config = lambda **parallel: tiny_config(**variant, train=BATCH, **parallel)
-  assert_matches(gradients(config(parallel=LAYOUTS["pp2_ep4"]), jax.devices()),
+  parallel = dict(LAYOUTS["pp2_ep4"], pipeline_schedule=schedule)
+  assert_matches(gradients(config(parallel=parallel), jax.devices()),
                  gradients(config(), jax.devices()[:1]))
 
 
@@ -148,6 +182,24 @@ def test_bubble_fraction():
   assert bubble_fraction(stages=4, repeats=1, micro_batches=4) == pytest.approx(3 / 7)
   assert bubble_fraction(stages=4, repeats=2, micro_batches=4) == pytest.approx(3 / 11)
   assert bubble_fraction(stages=1, repeats=1, micro_batches=8) == 0
+  # 1F1B: M + 2 S - 2 ticks, whose idle slots are skipped: GPipe's bubble, at most 2 S - 1 in
+  # flight (GPipe: all M); interleaved: 2 R S - 1 stage inputs of a virtual stage each.
+  one_f_one_b = Schedule(stages=4, repeats=1, micro_batches=16, kind="1f1b")
+  assert one_f_one_b.iterations == 22 and one_f_one_b.bubble == pytest.approx(3 / 19)
+  assert one_f_one_b.in_flight == 7 and Schedule(4, 1, 16).in_flight == 16
+  assert Schedule(4, 2, 16, kind="interleaved").in_flight == 15
+  assert Schedule(4, 1, 4, kind="1f1b").in_flight == 4
+
+
+def test_default_schedule():
+  """auto: GPipe while the micro-batches are no more than the stages; then 1F1B, interleaved
+  with repeats where the stages divide the micro-batches."""
+  parallel = lambda **kw: ParallelConfig(DenseLayout(), ExpertLayout(), **kw)
+  assert parallel(pipeline=4).schedule(4) == "gpipe"
+  assert parallel(pipeline=4).schedule(8) == "1f1b"
+  assert parallel(pipeline=4, pipeline_repeats=2).schedule(8) == "interleaved"
+  assert parallel(pipeline=4, pipeline_repeats=2).schedule(6) == "gpipe"
+  assert parallel(pipeline=4, pipeline_schedule="gpipe").schedule(16) == "gpipe"
 
 
 def test_pipeline_sizes_that_cannot_work():
@@ -160,19 +212,33 @@ def test_pipeline_sizes_that_cannot_work():
       (dict(pipeline=2), dict(precision=dict(gemm="fp8", fp8_recipe="delayed")),
        "fp8_recipe=current"),
       (dict(pipeline_repeats=2), {}, "needs pipeline stages"),
+      (dict(pipeline=2, pipeline_schedule="zb"), {}, "parallel.pipeline_schedule"),
+      (dict(pipeline=2, pipeline_repeats=2, pipeline_schedule="1f1b"), {},
+       "use pipeline_schedule=interleaved"),
+      (dict(pipeline=2, pipeline_schedule="interleaved"), {}, "set parallel.pipeline_repeats"),
+      (dict(pipeline=4, pipeline_repeats=2, pipeline_schedule="interleaved"),
+       dict(train=dict(batch_size=24, micro_batch_size=4)), "must be a multiple of"),
   ]
   for parallel, extra, message in cases:
     with pytest.raises(ConfigError, match=message):
       tiny_config(model=MODEL, parallel=parallel, **extra)
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 4)])
-def test_resume_across_pipeline_sizes(tmp_path, first, then):
-  """A run saved with PP `first` resumes with PP `then` and logs the uninterrupted run's losses."""
-  def run(stages, workdir):
-    parallel = dict(pipeline=stages, dense=dict(data=8 // stages), expert=dict(data=8 // stages))
+# (stages, repeats, schedule) saved with, then resumed with; sequences per micro-batch.
+RESUMES = [((2, 1, "gpipe"), (1, 1, "gpipe"), 8), ((1, 1, "gpipe"), (4, 1, "gpipe"), 8),
+           ((2, 2, "interleaved"), (4, 1, "1f1b"), 4)]
+
+
+@pytest.mark.parametrize("first, then, micro", RESUMES)
+def test_resume_across_pipeline_sizes(tmp_path, first, then, micro):
+  """A run saved with one pipeline size and schedule resumes with another and logs the
+  uninterrupted run's losses."""
+  def run(pipeline, workdir):
+    stages, repeats, schedule = pipeline
+    parallel = dict(pipeline=stages, pipeline_repeats=repeats, pipeline_schedule=schedule,
+                    dense=dict(data=8 // stages), expert=dict(data=8 // stages))
     config = config_for(parallel, dict(every=2, async_save=False), steps=4, warmup_steps=1,
-                        micro_batch_size=8)
+                        micro_batch_size=micro)
     return {r["step"]: r["loss"] for r in train(config, workdir, progress=False)}
 
   whole = run(first, tmp_path / "whole")

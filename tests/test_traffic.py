@@ -52,6 +52,25 @@ def test_each_collective_counts_as_a_ring_sends_it():
   assert sum(traffic.if_taken.values()) == 0
 
 
+
+def test_combined_collectives_count_as_the_ones_they_join():
+  """XLA's combiner joins two gradient reductions into one float32 tuple all-reduce named
+  "PREFIX/(a:b)" after partitioning, where they were bfloat16: one reduce-scatter (its sum only
+  sliced, through a transpose) and one all-reduce. Each counts as it was, in bfloat16."""
+  partitioned = """ENTRY %main (p0: bf16[64], p1: bf16[32]) -> bf16[8] {
+  %ar.1 = bf16[64]{0} all-reduce(%p0), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/w/dot_general"}
+  %t.1 = bf16[64]{0} transpose(%ar.1), dimensions={0}
+  %ds.1 = bf16[8]{0} dynamic-slice(%t.1, %i), dynamic_slice_sizes={8}
+  %ar.2 = bf16[32]{0} all-reduce(%p1), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/b/reduce_sum"}
+  ROOT %add.1 = bf16[32]{0} add(%ar.2, %ar.2)
+}"""
+  optimized = """ENTRY %main (p0: f32[64], p1: f32[32]) -> f32[8] {
+  %ar = (f32[64]{0}, f32[32]{0}) all-reduce(%p0, %p1), replica_groups=[1,8]<=[8], metadata={op_name="jit(f)/(w/dot_general:b/reduce_sum)"}
+}"""
+  traffic = collective_traffic(optimized, N, partitioned)
+  assert traffic.every_step["reduce-scatter"] == 64 * 2 / N * (N - 1)
+  assert traffic.every_step["all-reduce"] == 2 * 32 * 2 * (N - 1) / N
+
 def tiny(*overrides):
   return load_config(ROOT / "configs/tiny_moe.py", [
       "moe.dispatcher=alltoall", "moe.router.force_balanced=true", "precision.compute=bfloat16",
@@ -84,7 +103,8 @@ def test_allgather_dispatch_sends_no_all_to_all():
 def test_pipeline_stages_pass_activations():
   """PP 2: the stages hand their micro-batches on with collective-permutes; the exchange also
   runs in the bubble's iterations (5 for 4 micro-batches), so above the factor."""
-  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+  config = tiny("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe",
+                "parallel.expert.expert=4", "model.num_layers=5",
                 "train.batch_size=16", "train.micro_batch_size=4")
   report = communication(config, make_layout(config.parallel))
   assert report["bytes_per_device"]["collective-permute"] > 0
@@ -99,7 +119,8 @@ def test_pipeline_hands_on_one_micro_batch_per_stage_boundary():
   inputs broadcast over the stages by all-gathers and all-reduces)."""
   import re
   from jmoe.memory.traffic import compiled_texts
-  config = tiny("parallel.pipeline=2", "parallel.expert.expert=4", "model.num_layers=5",
+  config = tiny("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe",
+                "parallel.expert.expert=4", "model.num_layers=5",
                 "train.batch_size=16", "train.micro_batch_size=4")
   optimized, partitioned = compiled_texts(config, make_layout(config.parallel))
   in_loop = [line for line in optimized.splitlines()

@@ -169,6 +169,22 @@ class ParallelConfig:
   pipeline_layers: tuple[int, ...] = ()
   pipeline_first: int = 0
   pipeline_last: int = 0
+  # auto | gpipe | 1f1b | interleaved (jmoe/model/pipeline.py): the order of the micro-batches'
+  # forward and backward passes through the stages; auto: `schedule` below.
+  pipeline_schedule: str = "auto"
+
+  def schedule(self, micro_batches: int) -> str:
+    """The schedule `pipeline_schedule` names; auto: GPipe (no recomputation: the fastest) while
+    the micro-batches are no more than the stages, as many as 1F1B would keep in flight; beyond,
+    1F1B (interleaved with repeats, where the stages divide the micro-batches), whose memory does
+    not grow with them."""
+    if self.pipeline_schedule != "auto":
+      return self.pipeline_schedule
+    if self.pipeline == 1 or micro_batches <= self.pipeline:
+      return "gpipe"
+    if self.pipeline_repeats == 1:
+      return "1f1b"
+    return "interleaved" if micro_batches % self.pipeline == 0 else "gpipe"
 
   def layer_groups(self, num_layers: int) -> tuple[int, ...]:
     """The MoE layers of each group (virtual stage), in order g = r * pipeline + s; a
@@ -209,6 +225,7 @@ class ParallelConfig:
             *([ends["last"]] if "last" in ends else []))
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.pipeline_schedule
 OPTIMIZERS = ("adamw", "muon")  # train.optimizer (jmoe/train/optimizer.py)
 
 

@@ -17,7 +17,7 @@ import math
 import re
 from typing import NamedTuple
 
-from jmoe.config.schema import LORA_TARGETS, OPTIMIZERS, Config
+from jmoe.config.schema import LORA_TARGETS, OPTIMIZERS, PIPELINE_SCHEDULES, Config
 from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
 from jmoe.ops.attention import ATTENTION_KERNELS
@@ -286,6 +286,8 @@ def _lora(config: Config):
 
 def _pipeline(config: Config):
   p = config.parallel
+  yield from _one_of("parallel.pipeline_schedule", p.pipeline_schedule,
+                     ["auto", *PIPELINE_SCHEDULES])
   if p.pipeline < 1 or p.pipeline_repeats < 1 or config.train.micro_batch < 1:
     return  # (their ranges are reported)
   if p.pipeline == 1:
@@ -309,6 +311,23 @@ def _pipeline(config: Config):
     yield (f"circular stages (parallel.pipeline_repeats > 1) need at least as many micro-batches "
            f"as stages: train.batch_size / train.micro_batch_size is {micro}, parallel.pipeline "
            f"is {p.pipeline}; lower train.micro_batch_size")
+  schedule = p.pipeline_schedule
+  if schedule == "1f1b" and p.pipeline_repeats > 1:
+    yield ("parallel.pipeline_schedule=1f1b runs each stage's layers once per micro-batch: with "
+           "parallel.pipeline_repeats > 1 use pipeline_schedule=interleaved (or gpipe)")
+  if schedule == "interleaved" and p.pipeline_repeats == 1:
+    yield ("parallel.pipeline_schedule=interleaved visits each stage pipeline_repeats times: set "
+           "parallel.pipeline_repeats > 1, or use pipeline_schedule=1f1b")
+  if schedule == "interleaved" and micro % p.pipeline:
+    yield (f"parallel.pipeline_schedule=interleaved takes the micro-batches in rounds of one per "
+           f"stage: train.batch_size / train.micro_batch_size ({micro}) must be a multiple of "
+           f"parallel.pipeline ({p.pipeline}); change train.micro_batch_size")
+  resolved = p.schedule(micro)
+  if config.train.qk_clip and resolved != "gpipe":
+    yield (f"train.qk_clip reads attention's largest logits from GPipe's pipeline schedule only; "
+           f"parallel.pipeline_schedule is {resolved}"
+           f"{' (auto, for ' + str(micro) + ' micro-batches)' if schedule == 'auto' else ''}: set "
+           f"parallel.pipeline_schedule=gpipe, or turn train.qk_clip off")
   if config.precision.gemm == "fp8" and config.precision.fp8_recipe == "delayed":
     yield ("precision.fp8_recipe=delayed keeps one amax history per GEMM, which every micro-batch "
            "in the pipeline's stages would update at once: use fp8_recipe=current with "

@@ -10,10 +10,12 @@ the walk places them as gradients or weight copies.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
 from jax.extend.core import Literal
+from jax.sharding import PartitionSpec as P
 
 from jmoe.memory.gpu import FUSED_SCOPE
 
@@ -41,6 +43,9 @@ FUSING_CONSUMERS = ELEMENTWISE | {
     "argmax", "argmin", "slice", "dynamic_slice", "concatenate", "pad", "cumsum", "cumlogsumexp",
     "cummax", "cumprod",
 }
+
+# Ops that write into their first operand: the position of what they write.
+UPDATES = {"scatter": 2, "scatter-add": 2, "scatter_add": 2, "dynamic_update_slice": 1}
 
 
 # Kernels whose jaxpr describes one program instance, not memory: only their outputs count.
@@ -188,3 +193,22 @@ def uses_of(jaxpr: Flat) -> dict[Any, list[int]]:
     for v in values(eqn.invars):
       uses.setdefault(v, []).append(i)
   return uses
+
+
+def divisor(spec, mesh_shape) -> int:
+  """How many pieces `spec` cuts an array into (dimensions left unconstrained: none)."""
+  d = 1
+  for entry in spec:
+    for axis in (entry if isinstance(entry, tuple) else (entry,)):
+      if axis is not None and axis is not P.UNCONSTRAINED:
+        d *= mesh_shape[axis]
+  return d
+
+
+def nbytes(aval, d: int) -> int:
+  shape = getattr(aval, "shape", None)
+  if shape is None or not hasattr(aval, "dtype"):
+    return 0
+  size = math.prod(shape)
+  itemsize = getattr(aval.dtype, "itemsize", 8)  # random keys: two uint32 words
+  return -(-size * itemsize // max(1, min(d, size)))

@@ -126,15 +126,27 @@ def collective_key(i: Instruction) -> tuple[str, str, bool]:
   return i.op, op_name(i), bool(dtypes) and dtypes[0][0][0] in "fb"
 
 
+# Ops that only lay a value out anew: a reduction whose value reaches only slices through them
+# is a reduce-scatter all the same.
+RELAYOUTS = ("transpose", "copy", "reshape", "bitcast")
+
+
 def as_partitioned(hlo: str) -> dict[tuple[str, str, bool], AsPartitioned]:
   """Kind and dtype size of the partitioned program's collectives, by `collective_key`."""
   facts = {}
   for instructions in parse(hlo)[0].values():
+    def users(name):
+      return [u for u in instructions if re.search(rf"%{re.escape(name)}(?![\w.\-])", u.rest)]
+
+    def only_sliced(name, depth=4):
+      found = users(name)
+      return bool(found) and all(u.op == "dynamic-slice" or (
+          u.op in RELAYOUTS and depth and only_sliced(u.name, depth - 1)) for u in found)
+
     for i in instructions:
       if i.op not in KINDS:
         continue
-      users = [u for u in instructions if re.search(rf"%{re.escape(i.name)}(?![\w.\-])", u.rest)]
-      slices = i.op == "all-reduce" and users and all(u.op == "dynamic-slice" for u in users)
+      slices = i.op == "all-reduce" and only_sliced(i.name)
       dtypes = SHAPE.findall(i.type)
       facts[collective_key(i)] = AsPartitioned(
           "reduce-scatter" if slices else i.op, ITEM_BYTES.get(dtypes[0][0], 0) if dtypes else 0)
@@ -150,6 +162,20 @@ def matching(facts: dict[tuple[str, str, bool], AsPartitioned], key: tuple[str, 
   found = [(len(n), fact) for (o, n, f), fact in facts.items()
            if o == op and f == floats and n and (name == n or name.endswith("/" + n))]
   return max(found, key=lambda x: x[0])[1] if found else None
+
+
+def combined(i: Instruction) -> list[tuple[str, str]]:
+  """The (type, op name) of each collective a compiled one is made of: XLA's combiners join
+  several into one of a tuple type, named "PREFIX/(a:b:...)" for PREFIX/a, PREFIX/b, ...;
+  otherwise the instruction itself."""
+  name = op_name(i)
+  joined = re.fullmatch(r"(.*?)/\((.*)\)", name)
+  types = [f"{dtype}[{dims}]" for dtype, dims in SHAPE.findall(i.type)]
+  if joined and ":" in joined.group(2):
+    names = [f"{joined.group(1)}/{n}" for n in joined.group(2).split(":")]
+    if len(names) == len(types):
+      return list(zip(types, names))
+  return [(i.type, name)]
 
 
 def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) -> int | None:
@@ -176,23 +202,25 @@ def collective_traffic(hlo: str, num_devices: int, partitioned: str = "") -> Tra
   facts = as_partitioned(partitioned) if partitioned else {}
   traffic = Traffic({k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS})
 
-  def bytes_sent(i: Instruction) -> tuple[str, float]:
-    kind, result, n = i.op, shape_bytes(i.type), group_size(i.rest) or num_devices
-    fact = matching(facts, collective_key(i))
-    dtypes = SHAPE.findall(i.type)
-    if fact and fact.item_bytes and dtypes and ITEM_BYTES.get(dtypes[0][0]):
-      # Only the CPU build's widening is undone: later passes may also narrow a collective
-      # (moving a cast before it), as a GPU build does too.
-      result = result * min(1.0, fact.item_bytes / ITEM_BYTES[dtypes[0][0]])
-    if fact and fact.kind == "reduce-scatter":  # each device keeps 1/n of the sum
-      kind, result = "reduce-scatter", result / n
-    return kind, sent_bytes(kind, result, n)
+  def bytes_sent(i: Instruction) -> list[tuple[str, float]]:
+    n, sent = group_size(i.rest) or num_devices, []
+    for type_, name in combined(i):
+      kind, result, dtypes = i.op, shape_bytes(type_), SHAPE.findall(type_)
+      fact = matching(facts, (i.op, name, bool(dtypes) and dtypes[0][0][0] in "fb"))
+      if fact and fact.item_bytes and dtypes and ITEM_BYTES.get(dtypes[0][0]):
+        # Only the CPU build's widening is undone: later passes may also narrow a collective
+        # (moving a cast before it), as a GPU build does too.
+        result = result * min(1.0, fact.item_bytes / ITEM_BYTES[dtypes[0][0]])
+      if fact and fact.kind == "reduce-scatter":  # each device keeps 1/n of the sum
+        kind, result = "reduce-scatter", result / n
+      sent.append((kind, sent_bytes(kind, result, n)))
+    return sent
 
   def visit(name: str, times: float, bucket: dict[str, float]):
     for i in computations.get(name, ()):
       if i.op in KINDS:
-        kind, sent = bytes_sent(i)
-        bucket[kind] += times * sent
+        for kind, sent in bytes_sent(i):
+          bucket[kind] += times * sent
         continue
       for attribute, how in CALLS.items():
         called = re.search(rf"\b{attribute}=(\{{[^}}]*\}}|%[\w.\-]+)", i.rest)

@@ -32,27 +32,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, Eqn, Flat, Where, flatten,
-                              is_literal, operands_of, scan_counts, uses_of, values)
-
-def divisor(spec, mesh_shape) -> int:
-  """How many pieces `spec` cuts an array into (dimensions left unconstrained: none)."""
-  d = 1
-  for entry in spec:
-    for axis in (entry if isinstance(entry, tuple) else (entry,)):
-      if axis is not None and axis is not P.UNCONSTRAINED:
-        d *= mesh_shape[axis]
-  return d
-
-
-def nbytes(aval, d: int) -> int:
-  shape = getattr(aval, "shape", None)
-  if shape is None or not hasattr(aval, "dtype"):
-    return 0
-  size = math.prod(shape)
-  itemsize = getattr(aval.dtype, "itemsize", 8)  # random keys: two uint32 words
-  return -(-size * itemsize // max(1, min(d, size)))
-
+from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, UPDATES, Eqn, Flat, Where,
+                              divisor, flatten, is_literal, nbytes, operands_of, scan_counts,
+                              uses_of, values)
 
 @dataclasses.dataclass
 class Value:
@@ -210,10 +192,19 @@ class Walker:
           found += [env[w].d] if env[w].d is not None else fed(w, depth - 1) if depth else []
       return found
 
+    # A broadcast (a mask) is split as its operand, what it feeds, or this program's values of
+    # its shape, whichever is finest: XLA propagates the values' placement onto the mask.
+    alike: dict[tuple, int] = {}
+    for v in (w for eqn in eqns for w in eqn.outvars if env[w].d):
+      alike[v.aval.shape] = max(alike.get(v.aval.shape, 1), env[v].d)
     for eqn in reversed(eqns):
+      src = eqn.invars[0] if eqn.name == "broadcast_in_dim" else None
+      x = None if src is None or is_literal(src) else env.get(src)
+      floor = [x.d, alike.get(eqn.outvars[0].aval.shape, 1)] if x is not None and x.d else []
       for v in eqn.outvars:
         if env[v].d is None:  # an output of this jaxpr nothing places is left to the caller
-          env[v].d = 1 if local else max(fed(v), default=None if v in outvars else fallback)
+          env[v].d = 1 if local else max(fed(v) + floor,
+                                         default=None if v in outvars else fallback)
     return inners
 
   # -- one equation: its outputs' placement and kind, and what it needs inside
@@ -308,6 +299,10 @@ class Walker:
       return None
     if len(shape) > 1 and shape in self.weights:
       return self.weights[shape][0]
+    if eqn.name == "broadcast_in_dim" and math.prod(shape) > math.prod(eqn.invars[0].aval.shape):
+      return None  # placed by what it feeds (a mask is split as the values it selects)
+    if eqn.name in UPDATES:  # a buffer is split at least as finely as what is written into it
+      return max([x.d for x in (ins[0], ins[UPDATES[eqn.name]]) if x and x.d] or [None])
     # A smaller input that is whole on every device (a mask, a scale) says nothing about where
     # what it is broadcast into lives.
     size = math.prod(shape)
@@ -321,14 +316,20 @@ class Walker:
 
   def _shard_map(self, eqn: Eqn, ins, out_in_place: list[bool]):
     body = flatten(eqn.subs[0], Where(backward=eqn.backward, kind=eqn.where.kind))
-    # Inside, every value is one device's: its shape is what it takes.
-    env = {v: Value(0, 1, value.kind if value else "activations")
-           for v, value in zip(body.invars, ins)}
+    # Inside, a value's shape is one device's over the manual axes; the other (auto) axes still
+    # split it as they split the operands (a hand-off between pipeline stages, manual over the
+    # stage axis only, keeps the stage's split).
+    manual = eqn.params.get("newly_manual_axes") or set(self.mesh_shape)
+    auto = math.prod(n for a, n in self.mesh_shape.items() if a not in manual)
+    specs = eqn.params["in_specs"]
+    env = {v: Value(0, 1 if auto == 1 else max(1, (value.d or 1) // divisor(spec, self.mesh_shape))
+                    if value else None, value.kind if value else "activations")
+           for v, value, spec in zip(body.invars, ins, specs)}
     kept = {v for v, flag in zip(body.outvars, out_in_place) if flag and not is_literal(v)}
-    inner = self.walk(body, env, local=True, in_place=kept)
+    inner = self.walk(body, env, local=auto == 1, in_place=kept)
     outs = []
     for v, spec, value in zip(eqn.outvars, eqn.params["out_specs"], inner.outs):
-      d = divisor(spec, self.mesh_shape)
+      d = divisor(spec, self.mesh_shape) * (1 if auto == 1 else min(auto, value.d or 1))
       weight_kind = self._weight_kind(v.aval, False)  # expert gradients leave through here
       kind = value.kind if value.kind == "optimizer update" or weight_kind == "activations" \
           else weight_kind

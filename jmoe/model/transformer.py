@@ -87,6 +87,16 @@ class Transformer(nnx.Module):
     logits."""
     positions_BS = self._positions(tokens_BS, positions_BS)
     trunk_BSD, stats = self._trunk(tokens_BS, positions_BS, segment_ids_BS, rng, micro_batches)
+    mtp_BLSD, mtp_stats = self.mtp_outputs(trunk_BSD, next_tokens_BLS, positions_BS,
+                                           segment_ids_BS, rng=rng)
+    stats = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), stats, mtp_stats)
+    return self.final_norm(trunk_BSD), mtp_BLSD, stats
+
+  def mtp_outputs(self, trunk_BSD: jax.Array, next_tokens_BLS: jax.Array,
+                  positions_BS: jax.Array, segment_ids_BS: jax.Array | None, *,
+                  rng: jax.Array | None = None) -> tuple[jax.Array, RouterStats]:
+    """The MTP modules on the trunk's output (before the final norm): each one's [B, depth, S,
+    D] and their router stats (leading axis: the modules)."""
     h_BSD, mtp_out, mtp_stats = trunk_BSD, [], []
     for k, module in enumerate(self.mtp):
       key = None if rng is None else jax.random.fold_in(rng, 1000 + k)
@@ -94,9 +104,7 @@ class Transformer(nnx.Module):
                                            segment_ids_BS, key, self.cfg.num_layers + k)
       mtp_out.append(out_BSD)
       mtp_stats.append(block_stats)
-    if mtp_stats:
-      stats = jax.tree.map(lambda a, *b: jnp.concatenate([a, jnp.stack(b)]), stats, *mtp_stats)
-    return self.final_norm(trunk_BSD), jnp.stack(mtp_out, axis=1), stats
+    return jnp.stack(mtp_out, axis=1), jax.tree.map(lambda *b: jnp.stack(b), *mtp_stats)
 
   def init_cache(self, batch: int, length: int) -> dict:
     """An empty decoding cache for `batch` rows of up to `length` tokens: per layer stack, each
@@ -160,12 +168,8 @@ class Transformer(nnx.Module):
     """The hidden state after the last block (before the final norm) and the layers' stats (the
     MoE layers' router stats, every layer's largest logits if asked); the MoE blocks in the
     active layout's pipeline stages if it has them."""
-    x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
-    tops = []
-    if self.dense_blocks is not None:
-      x_BSD, dense = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
-                               remat=self.remat, unroll=self.cfg.scan_unroll)
-      tops.append(dense.max_logit_H)
+    x_BSD, dense_top = self._front(tokens_BS, positions_BS, segment_ids_BS)
+    tops = [dense_top]
     if self.moe_blocks is None:
       no_layers = jnp.zeros((0,), jnp.float32)
       stats = LayerStats(router=RouterStats(
@@ -184,6 +188,20 @@ class Transformer(nnx.Module):
     tops.append(stats.max_logit_H)
     top_LH = jnp.concatenate([t for t in tops if t is not None]) if self.max_logit else None
     return x_BSD, stats.replace(max_logit_H=top_LH)
+
+  def front(self, tokens_BS: jax.Array, positions_BS: jax.Array,
+            segment_ids_BS: jax.Array | None) -> jax.Array:
+    """The MoE blocks' input: the embedding, then the dense blocks first."""
+    return self._front(tokens_BS, positions_BS, segment_ids_BS)[0]
+
+  def _front(self, tokens_BS, positions_BS, segment_ids_BS):
+    """`front`, and the dense blocks' largest logits per head (None without them, or unasked)."""
+    x_BSD = constrain(self.embed(tokens_BS), RESIDUAL_AXES)
+    if self.dense_blocks is None:
+      return x_BSD, None
+    x_BSD, dense = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
+                             remat=self.remat, unroll=self.cfg.scan_unroll)
+    return x_BSD, dense.max_logit_H
 
   def _logits(self, x_BSD):
     logits_BSV = jnp.einsum("bsd,dv->bsv", x_BSD, self.head_weights(x_BSD.dtype))

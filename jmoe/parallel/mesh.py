@@ -73,10 +73,19 @@ class Layout:
     """x (leading axis over the stages) handed on: stage s + 1 gets stage s's slice, stage 0
     zeros (`wrap`: the last stage's). One collective-permute of a stage's slice per stage
     boundary, where a roll over the stage axis also sends the slice that stage 0 drops."""
+    return self._hand_off(x, 1, wrap)
+
+  def previous_stage(self, x: jax.Array, *, wrap: bool = False) -> jax.Array:
+    """As `next_stage`, backwards (gradients in a schedule that runs them in its own loop):
+    stage s - 1 gets stage s's slice, the last stage zeros (`wrap`: stage 0's)."""
+    return self._hand_off(x, -1, wrap)
+
+  def _hand_off(self, x: jax.Array, step: int, wrap: bool) -> jax.Array:
     if not self.stage_axes:
-      return jnp.roll(x, 1, axis=0) if wrap else jnp.zeros_like(x)
+      return jnp.roll(x, step, axis=0) if wrap else jnp.zeros_like(x)
     axis, S = self.stage_axes, self.stages
-    pairs = [(s, s + 1) for s in range(S - 1)] + ([(S - 1, 0)] if wrap else [])
+    pairs = [(s, s + step) for s in range(S) if 0 <= s + step < S or wrap]
+    pairs = [(s, t % S) for s, t in pairs]
     spec = P(axis)
     return jax.shard_map(lambda block: jax.lax.ppermute(block, axis, pairs), mesh=self.mesh,
                          in_specs=spec, out_specs=spec, axis_names=set(axis))(x)

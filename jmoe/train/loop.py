@@ -20,7 +20,7 @@ from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
-from jmoe.model.pipeline import bubble_fraction, slots_of
+from jmoe.model.stages import Schedule, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.parallel import make_layout
 from jmoe.train.health import StepHealth, all_finite
@@ -94,9 +94,10 @@ class Trainer:
              layout.mesh.devices.size, jax.default_backend(), layout.describe())
     if layout.stages > 1:
       micro = config.train.num_micro_batches
-      log.info("pipeline: %d micro-batches through %d stages x %d repeat(s): bubble %.1f%% "
-               "((S - 1) / (R M + S - 1)); %s", micro, layout.stages, layout.repeats,
-               100 * bubble_fraction(layout.stages, layout.repeats, micro),
+      sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule(micro))
+      log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
+               "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
+               layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
                slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,

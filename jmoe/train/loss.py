@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.config import BalanceConfig
+from jmoe.model.transformer import LOGITS_AXES
 from jmoe.moe import RouterStats
+from jmoe.ops.cross_entropy import linear_cross_entropy
+from jmoe.parallel import active_layout, constrain
 
 
 def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
@@ -72,3 +75,38 @@ def mtp_inputs(tokens_BN: jax.Array, depth: int) -> jax.Array:
 def balance_losses(stats: RouterStats, cfg: BalanceConfig) -> tuple[jax.Array, jax.Array]:
   """(aux_loss, z_loss) as added to the loss: coefficient times the sum over MoE layers."""
   return cfg.aux_loss_coef * jnp.sum(stats.aux_loss), cfg.z_loss_coef * jnp.sum(stats.z_loss)
+
+
+def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
+  """The global batch's number of next-token targets and of each MTP module's targets."""
+  lm_BS, mtp_BLS = target_masks(batch["tokens"], batch.get("segment_ids"), depth,
+                                batch.get("loss_mask"))
+  # At least one, so that an all-padding batch gives a zero loss rather than NaN.
+  return {"lm": jnp.maximum(jnp.sum(lm_BS), 1).astype(jnp.float32),
+          "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
+
+
+def head_nll(head_DV: jax.Array) -> NllSum:
+  """The LM head and the summed loss of hidden states, a chunk at a time, the logits split over
+  all the active layout's devices."""
+  def nll_sum(h_BSD, targets_BS, mask_BS):
+    layout = active_layout()
+    return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS,
+                                constrain=lambda x: constrain(x, LOGITS_AXES),
+                                devices=layout.mesh.size if layout else 1)
+  return nll_sum
+
+
+def router_metrics(stats: RouterStats, cfg: BalanceConfig, num_micro: int,
+                   rounds_possible: bool) -> tuple[jax.Array, dict]:
+  """The balancing terms added to the loss and the router's metrics, from stats per layer
+  summed over `num_micro` micro-batches."""
+  aux_loss, z_loss = balance_losses(stats, cfg)
+  aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
+  # over the MoE layers; 0 without any (a mean over none would be NaN, which JSON cannot hold)
+  per_layer = lambda x_L: jnp.sum(x_L) / max(x_L.size, 1)
+  metrics = {"aux_loss": aux_loss, "z_loss": z_loss, "expert_load": stats.load_E / num_micro,
+             "dropped_fraction": per_layer(stats.dropped_fraction) / num_micro}
+  if rounds_possible:  # elsewhere always 0
+    metrics["overflow_rounds"] = per_layer(stats.overflow_rounds) / num_micro
+  return aux_loss + z_loss, metrics

@@ -12,11 +12,11 @@ from flax import nnx
 from jmoe.config import Config
 from jmoe.model.factory import DTYPES
 from jmoe.model.qk_clip import clip_factors
-from jmoe.model.transformer import LOGITS_AXES
-from jmoe.ops.cross_entropy import linear_cross_entropy
 from jmoe.ops.fp8 import Fp8History
-from jmoe.parallel import Layout, active_layout, constrain
-from jmoe.train.loss import balance_losses, mtp_inputs, mtp_loss, target_masks
+from jmoe.parallel import Layout
+from jmoe.train.loss import (head_nll, mtp_inputs, mtp_loss, router_metrics, target_counts,
+                             target_masks)
+from jmoe.train.pipelined import make_pipelined_gradients
 from jmoe.train.optimizer import AdamW, global_norm, learning_rate
 from jmoe.train.state import StateSpec, TrainState, frozen, trainable
 
@@ -42,14 +42,7 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
 
   def loss_fn(params, rest, batch, counts, num_micro, rng=None):
     model = nnx.merge(graphdef, params, rest)
-    head_DV = model.head_weights(compute_dtype)
-
-    def nll_sum(h_BSD, targets_BS, mask_BS):  # the LM head and the loss, a chunk at a time
-      layout = active_layout()  # the logits are split over all its devices
-      return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS,
-                                  constrain=lambda x: constrain(x, LOGITS_AXES),
-                                  devices=layout.mesh.size if layout else 1)
-
+    nll_sum = head_nll(model.head_weights(compute_dtype))
     tokens_BN = batch["tokens"]
     segments_BN, positions_BN = batch.get("segment_ids"), batch.get("positions")
     inputs = dict(tokens_BS=tokens_BN[:, :-1],
@@ -67,29 +60,14 @@ def make_loss_fn(graphdef: nnx.GraphDef, config: Config) -> Callable:
     else:
       h_BSD, stats = model.hidden(rng=rng, micro_batches=micro_batches, **inputs)
     lm_loss = nll_sum(h_BSD, tokens_BN[:, 1:], lm_mask_BS) / counts["lm"]
-    aux_loss, z_loss = balance_losses(stats.router, config.moe.balance)
-    aux_loss, z_loss = aux_loss / num_micro, z_loss / num_micro
-    # over the MoE layers; 0 without any (a mean over none would be NaN, which JSON cannot hold)
-    per_layer = lambda x_L: jnp.sum(x_L) / max(x_L.size, 1)
-    metrics.update({"lm_loss": lm_loss, "aux_loss": aux_loss, "z_loss": z_loss,
-                    "expert_load": stats.router.load_E / num_micro,
-                    "dropped_fraction": per_layer(stats.router.dropped_fraction) / num_micro})
-    if rounds_possible:  # elsewhere always 0
-      metrics["overflow_rounds"] = per_layer(stats.router.overflow_rounds) / num_micro
+    balance, router = router_metrics(stats.router, config.moe.balance, num_micro,
+                                     rounds_possible)
+    metrics.update({"lm_loss": lm_loss, **router})
     if stats.max_logit_H is not None:  # [L, H] (a maximum over micro-batches, not a sum)
       metrics[MAX_LOGIT] = stats.max_logit_H
-    return lm_loss + aux_loss + z_loss + metrics.get("mtp_loss", 0.0), metrics
+    return lm_loss + balance + metrics.get("mtp_loss", 0.0), metrics
 
   return loss_fn
-
-
-def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
-  """The global batch's number of next-token targets and of each MTP module's targets."""
-  lm_BS, mtp_BLS = target_masks(batch["tokens"], batch.get("segment_ids"), depth,
-                                batch.get("loss_mask"))
-  # At least one, so that an all-padding batch gives a zero loss rather than NaN.
-  return {"lm": jnp.maximum(jnp.sum(lm_BS), 1).astype(jnp.float32),
-          "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
 
 
 def make_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
@@ -97,6 +75,9 @@ def make_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
   values, metrics): the batch's loss and its gradient, over its micro-batches: one after another,
   or with pipeline stages all through the stages at once. `rng`: the step's key for training
   noise, or None for none."""
+  if config.parallel.pipeline > 1 and config.parallel.schedule(
+      config.train.num_micro_batches) != "gpipe":
+    return make_pipelined_gradients(graphdef, config)
   loss_fn = make_loss_fn(graphdef, config)
 
   def split_loss(params, histories, others, *args):
