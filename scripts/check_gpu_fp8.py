@@ -18,8 +18,9 @@ output about 1/sqrt(E) of that (9% at 128 experts), rows taken from the wrong ex
 (each case reports what doubling the busiest expert's scale would give, and fails if the
 tolerance would not catch that by 10x). An expert with
 no rows must get an exactly zero weight gradient (the kernel writes zeros).
-End-to-end cases (fp8_grouped/SHAPE/ROUTING): moe.gemm=mosaic with precision.gemm=fp8
-(`grouped_gemm("mosaic", "e5m2")`) against float32 on the unquantized bf16 inputs, within FP8's
+End-to-end cases (fp8_grouped/SHAPE/ROUTING, the weight gradient in bf16, and
+fp8_grouped_wfp8/..., in FP8): moe.gemm=mosaic with precision.gemm=fp8
+(`grouped_gemm("mosaic", "e5m2", weight_gradient=...)`) against float32 on the unquantized bf16 inputs, within FP8's
 own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past the groups exactly
 zero in y and dx: the wiring, the scales and the zeroing.
 `--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the Qwen3-30B-A3B shapes.
@@ -111,10 +112,11 @@ def kernel_case(c: dict) -> dict:
   return result
 
 
-def grouped_case(c: dict) -> dict:
-  """moe.gemm=mosaic in FP8, through jmoe's own custom VJP, against float32 on the bf16 inputs."""
+def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
+  """moe.gemm=mosaic in FP8, through jmoe's own custom VJP, against float32 on the bf16 inputs;
+  the weight gradient in `weight_gradient` (precision.fp8_weight_gradient)."""
   from jmoe.ops.grouped_gemm import grouped_gemm
-  gemm = jax.jit(grouped_gemm("mosaic", "e5m2"))
+  gemm = jax.jit(grouped_gemm("mosaic", "e5m2", weight_gradient=weight_gradient))
   sizes, used = c["sizes"], int(c["sizes"].sum())
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), c["x"], c["w"])
   y, dx, dw = (host(a) for a in (y, *vjp(c["dy"])))
@@ -142,14 +144,15 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
     def run():
       c = quantized_case(shape, kind, rows, ROUTINGS.index(kind))
       return {"check": check, **(kernel_case(c) if kind_of_check == "kernels"
-                                 else grouped_case(c))}
+                                 else grouped_case(c, "fp8" if "wfp8" in kind_of_check
+                                                   else "bf16"))}
     return named(run, check)
 
   return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in ("kernels", "grouped")]
+          for which in ("kernels", "grouped", "grouped_wfp8")]
 
 
-def bench(rows: int, reps: int = 10) -> list[dict]:
+def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
   """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing."""
   from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
   from jmoe.ops.mosaic_gemm import ragged, ragged_contract
@@ -163,7 +166,7 @@ def bench(rows: int, reps: int = 10) -> list[dict]:
     return (time.perf_counter() - t0) / reps
 
   out = []
-  for shape in ("up", "down"):
+  for shape in shapes:
     c = quantized_case(shape, "balanced", rows, 0)
     groups = jnp.asarray(c["sizes"])
     experts, d, f = SHAPES[shape]
@@ -188,14 +191,17 @@ def main(argv=None) -> int:
   parser.add_argument("--shapes", default=",".join(FP8_SHAPES))
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--bench", action="store_true", help="time the kernels after the checks")
+  parser.add_argument("--bench-only", action="store_true", help="time the kernels, check nothing")
   args = parser.parse_args(argv)
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
-  results = run_jobs(fp8_jobs(args.rows, args.shapes.split(",")), args.workers)
-  if args.bench:
-    for line in bench(args.rows):
+  results = [] if args.bench_only else run_jobs(fp8_jobs(args.rows, args.shapes.split(",")),
+                                                args.workers)
+  if args.bench or args.bench_only:
+    for line in bench(args.rows, args.shapes.split(",") if args.bench_only else ("up", "down")):
       print(json.dumps(line), flush=True)
   failed = [r["check"] for r in results if not r["ok"]]
-  print(json.dumps({"failed": failed, "ok": not failed}))
+  if not args.bench_only:
+    print(json.dumps({"failed": failed, "ok": not failed}))
   return 1 if failed else 0
 
 

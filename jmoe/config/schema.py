@@ -323,7 +323,12 @@ class PrecisionConfig:
   fp8_amax_history: int = 16  # steps of amax kept per GEMM for delayed scaling
   fp8_grad_format: str = "e5m2"  # float8 format of the gradients: e5m2 | e4m3
   fp8_experts: bool = True  # expert GEMMs in FP8 too (row-wise current scaling)
+  fp8_dense: bool = True  # the dense GEMMs in FP8: attention, dense MLPs, shared experts (false:
+  # the routed experts only)
   fp8_dispatch: bool = False  # tokens cross the expert-parallel exchange as float8 (row scales)
+  # the expert GEMMs' weight gradient: bf16 (the 16-bit kernel on the dequantized input: faster
+  # on moe.gemm=mosaic, docs/FP8.md) | fp8 (float8 kernels for it too)
+  fp8_weight_gradient: str = "bf16"
 
 
 @dataclass(frozen=True)

@@ -38,10 +38,12 @@ class Fp8Recipe:
   history: int = 16  # the amax history's length, for delayed scaling
   grad_format: str = "e5m2"  # the gradients' float8 format (the forward operands are E4M3)
   experts: bool = True  # the expert GEMMs too
+  dense: bool = True  # the dense GEMMs: attention, dense MLPs, shared experts (not the head)
   # expert GEMMs on 1 x 128 / 128 x 128 tile scales (jmoe/ops/fp8_blockwise.py); the dense GEMMs
   # then scale from current values per tensor
   blockwise: bool = False
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
+  weight_gradient: str = "bf16"  # the expert GEMMs' weight gradient: bf16 | fp8
 
   @property
   def grad_dtype(self):
@@ -55,7 +57,9 @@ def recipe_from_config(precision) -> Fp8Recipe | None:
   return Fp8Recipe(delayed=precision.fp8_recipe == "delayed",
                    blockwise=precision.fp8_recipe == "blockwise",
                    history=precision.fp8_amax_history, grad_format=precision.fp8_grad_format,
-                   experts=precision.fp8_experts, dispatch=precision.fp8_dispatch)
+                   experts=precision.fp8_experts, dense=precision.fp8_dense,
+                   dispatch=precision.fp8_dispatch,
+                   weight_gradient=precision.fp8_weight_gradient)
 
 
 def scale_for(amax: jax.Array, dtype) -> jax.Array:
@@ -157,4 +161,5 @@ def project(x: jax.Array, w: jax.Array, n: int, site: Fp8Dot | None) -> jax.Arra
 
 
 def fp8_site(recipe: Fp8Recipe | None) -> Fp8Dot | None:
-  return None if recipe is None else Fp8Dot(recipe)
+  """The FP8 GEMM of a dense projection, or None where it stays in the compute dtype."""
+  return None if recipe is None or not recipe.dense else Fp8Dot(recipe)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.ops.fp8_grouped import RaggedKernels
+from jmoe.ops import mosaic_gemm
 from jmoe.ops.mosaic_gemm import Tiles, one_call_per_batch
 from jmoe.ops.rows import row_groups
 
@@ -145,11 +146,22 @@ def fp8_aligned_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Ar
   return out[:, :d, :f]
 
 
-def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None) -> RaggedKernels:
+def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None
+                       ) -> RaggedKernels:
   """The Mosaic backend's float8 kernels in `RaggedKernels` form, (x_q, w_q [E, K, N], sizes)
   and (x_q, y_q, sizes): the forward's w_q is transposed to K-major here; the input gradient,
-  handed w_q^T by `grouped_fp8`, gets w_q back (XLA cancels the two transposes)."""
+  handed w_q^T by `grouped_fp8`, gets w_q back (XLA cancels the two transposes); a weight
+  gradient in bf16 runs the 16-bit Mosaic kernel (jmoe/ops/mosaic_gemm.py)."""
   return RaggedKernels(
       dot=lambda x, w_EKN, sizes: fp8_ragged_dot(x, jnp.swapaxes(w_EKN, 1, 2), sizes,
                                                  rows_kernel),
-      contract=lambda x, y, sizes: fp8_aligned_contract(x, y, sizes, contract_kernel))
+      contract=lambda x, y, sizes: fp8_aligned_contract(x, y, sizes, contract_kernel),
+      contract16=contract16 or _contract16)
+
+
+def _contract16(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  """The 16-bit Mosaic contraction, rows padded to the kernel's multiple of 8 (zero rows,
+  outside every group)."""
+  rows = _round_up(x_XD.shape[0], ROW_MULTIPLE)
+  return mosaic_gemm.ragged_contract(_pad_to(x_XD, 0, rows), _pad_to(y_XF, 0, rows),
+                                     group_sizes_E)

@@ -113,11 +113,13 @@ def check_backend(name: str) -> None:
 
 
 @functools.cache
-def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False
-                 ) -> GroupedGemm:
+def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False,
+                 weight_gradient: str = "bf16") -> GroupedGemm:
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
-  is given and the backend has float8 kernels; with `blockwise`, on DeepSeek-V3's blockwise
-  scaled operands through its 16-bit kernels (jmoe/ops/fp8_blockwise.py)."""
+  is given and the backend has float8 kernels, the weight gradient in `weight_gradient` (bf16
+  where the backend has a 16-bit contraction for it, else float8); with `blockwise`, on
+  DeepSeek-V3's blockwise scaled operands through its 16-bit kernels
+  (jmoe/ops/fp8_blockwise.py)."""
   check_backend(name)
   name = auto_gemm() if name == "auto" else name
   backend = GEMM_BACKENDS[name]
@@ -129,7 +131,8 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
     log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
                 "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
     return backend
-  return dataclasses.replace(backend, gemm=grouped_fp8(backend.fp8, fp8_grad_format))
+  return dataclasses.replace(backend, gemm=grouped_fp8(backend.fp8, fp8_grad_format,
+                                                       weight_gradient))
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF
