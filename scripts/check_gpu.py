@@ -1,7 +1,7 @@
 """GPU kernels against float32 references; exits non-zero, naming the failing case, when one fails.
 
   python scripts/check_gpu.py [--quick] [--backends mosaic,ragged_dot] [--rows 16384] [--shapes a,b]
-      [--workers 8]
+      [--workers 8] [--fp8]
 
 Grouped GEMMs: for each backend, each shape class (Qwen3-30B-A3B's up and down projections, the
 other families' expert shapes, LoRA factors, and a small shape no tile divides) and each routing
@@ -17,7 +17,8 @@ the output and every gradient (the sinks' too) within 2e-2, at 4096 and 8192 tok
 model's logits with cuDNN's kernel against XLA's, in bf16. `--quick` checks `moe.gemm=auto`'s
 backend on one routing per shape class (4096 rows) and two attention cases. The grouped GEMM
 cases run on `--workers` threads, so that their compiles overlap; the attention cases one at a
-time. Prints one JSON line per case;
+time. `--fp8`: also the FP8 kernels of moe.gemm=mosaic, cases fp8_* (scripts/check_gpu_fp8.py
+says what they hold). Prints one JSON line per case;
 `moe.gemm=auto` must pick a backend that passed.
 """
 
@@ -353,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                       "pair, and two attention cases")
   parser.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1),
                       help="cases checked at once (their compiles overlap)")
+  parser.add_argument("--fp8", action="store_true", help="also the FP8 grouped GEMM kernels")
   args = parser.parse_args(argv)
   if args.shapes:
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
@@ -375,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
   results += run_jobs(grouped_gemm_jobs(backends, args.rows, cases)
                       + vmapped_jobs(backends, args.rows, (2,) if args.quick else (2, 1)),
                       args.workers)
+  if args.fp8:
+    from check_gpu_fp8 import FP8_SHAPES, fp8_jobs
+    shapes = [s for s in FP8_SHAPES if not args.shapes or s in args.shapes.split(",")]
+    results += run_jobs(fp8_jobs(args.rows, shapes), args.workers)
   if not args.no_attention and not args.quick:
     for r in check_attention():
       print(json.dumps(r), flush=True)

@@ -317,11 +317,18 @@ class PrecisionConfig:
   # GEMM inputs: bf16 (the compute dtype) or fp8 (Hopper's FP8 tensor cores; see jmoe/ops/fp8.py).
   # mxfp8 and nvfp4 name Blackwell's block-scaled formats: planned, see docs/FP8.md.
   gemm: str = "bf16"
-  fp8_recipe: str = "current"  # dense GEMMs' scales: current (per-tensor amax now) | delayed
+  # current (per-tensor amax now; experts per row and expert) | delayed (dense GEMMs: amax
+  # history) | blockwise (experts: DeepSeek-V3's 1 x 128 / 128 x 128 tiles; dense as current)
+  fp8_recipe: str = "current"
   fp8_amax_history: int = 16  # steps of amax kept per GEMM for delayed scaling
   fp8_grad_format: str = "e5m2"  # float8 format of the gradients: e5m2 | e4m3
   fp8_experts: bool = True  # expert GEMMs in FP8 too (row-wise current scaling)
+  fp8_dense: bool = True  # the dense GEMMs in FP8: attention, dense MLPs, shared experts (false:
+  # the routed experts only)
   fp8_dispatch: bool = False  # tokens cross the expert-parallel exchange as float8 (row scales)
+  # the expert GEMMs' weight gradient: bf16 (the 16-bit kernel on the dequantized input: faster
+  # on moe.gemm=mosaic, docs/FP8.md) | fp8 (float8 kernels for it too)
+  fp8_weight_gradient: str = "bf16"
 
 
 @dataclass(frozen=True)

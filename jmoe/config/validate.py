@@ -224,6 +224,7 @@ def _data(config: Config):
 
 
 BLACKWELL_FORMATS = ("mxfp8", "nvfp4")
+FP8_RECIPES = ("current", "delayed", "blockwise")
 
 
 def _precision(p):
@@ -233,8 +234,20 @@ def _precision(p):
            "precision.gemm=fp8, or bf16")
     return
   yield from _one_of("precision.gemm", p.gemm, ("bf16", "fp8"))
-  yield from _one_of("precision.fp8_recipe", p.fp8_recipe, ("current", "delayed"))
+  yield from _one_of("precision.fp8_recipe", p.fp8_recipe, FP8_RECIPES)
+  if p.gemm == "fp8" and p.fp8_recipe == "blockwise" and not p.fp8_experts:
+    yield ("precision.fp8_recipe=blockwise scales the expert GEMMs, which "
+           "precision.fp8_experts=false leaves in bf16: set fp8_experts=true or use "
+           "fp8_recipe=current")
   yield from _one_of("precision.fp8_grad_format", p.fp8_grad_format, FORMATS)
+  yield from _one_of("precision.fp8_weight_gradient", p.fp8_weight_gradient, ("bf16", "fp8"))
+  if p.gemm == "fp8" and not (p.fp8_dense or p.fp8_experts):
+    yield ("precision.gemm=fp8 with fp8_dense=false and fp8_experts=false leaves every GEMM in "
+           "bf16: set one of them true, or precision.gemm=bf16")
+  if p.gemm == "fp8" and p.fp8_recipe == "delayed" and not p.fp8_dense:
+    yield ("precision.fp8_recipe=delayed keeps amax histories for the dense GEMMs, which "
+           "fp8_dense=false leaves in bf16 (the experts always scale from current values): use "
+           "fp8_recipe=current")
   if p.gemm != "fp8" and p.fp8_dispatch:
     yield "precision.fp8_dispatch needs precision.gemm=fp8"
 
@@ -244,6 +257,10 @@ def _other(config: Config):
   yield from _one_of("precision.compute", config.precision.compute, DTYPES)
   yield from _one_of("precision.moments", config.precision.moments, DTYPES)
   yield from _precision(config.precision)
+  p = config.precision
+  if p.gemm == "fp8" and p.fp8_recipe == "blockwise" and config.moe.expert_blocks:
+    yield ("precision.fp8_recipe=blockwise runs the expert GEMMs grouped; moe.expert_blocks "
+           "would run most rows as per-row scaled blocks: set moe.expert_blocks=0")
   for group in ("dense", "expert"):
     layout = getattr(config.parallel, group)
     sizes = {k: v for k, v in vars(layout).items()}

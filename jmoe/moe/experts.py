@@ -83,9 +83,12 @@ class ExpertCompute:
   adapter_batched: BatchedGemm | None = None
 
   @classmethod
-  def from_config(cls, cfg, fp8_grad_format: str | None = None) -> ExpertCompute:
-    """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given."""
-    return cls(grouped_gemm(cfg.gemm, fp8_grad_format), batched_gemm(fp8_grad_format),
+  def from_config(cls, cfg, fp8_grad_format: str | None = None, blockwise: bool = False,
+                  weight_gradient: str = "bf16") -> ExpertCompute:
+    """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given,
+    on blockwise scales with `blockwise`, the grouped weight gradient in `weight_gradient`."""
+    return cls(grouped_gemm(cfg.gemm, fp8_grad_format, blockwise, weight_gradient),
+               batched_gemm(fp8_grad_format),
                gated_activation(cfg), cfg.expert_blocks, grouped_gemm(cfg.gemm, None),
                batched_gemm(None))
 

@@ -108,7 +108,10 @@ class MoE(nnx.Module):
                       expert_bias_E=None if self.expert_bias_E is None else self.expert_bias_E[...],
                       balance_groups=self._balance_groups(batch, layout))
     fp8 = self.fp8
-    compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if fp8 and fp8.experts else None)
+    experts_fp8 = fp8 is not None and fp8.experts
+    compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if experts_fp8 else None,
+                                        experts_fp8 and fp8.blockwise,
+                                        fp8.weight_gradient if experts_fp8 else "bf16")
     stages = moe_stages(lambda axes, num_local: self._dispatcher(axes, num_local, layout is None),
                         compute, self.cfg.dispatch_chunks)
     # Inside a pipeline stage (vmapped over the stage axis) shard_map cannot type the stage axis

@@ -6,15 +6,17 @@ the float8 values to `dot_general` (or a grouped GEMM) with float32 accumulation
 output by the product of the scales. A custom VJP does the same for the two backward GEMMs, with the
 incoming gradient quantized to E5M2 (wider range) or E4M3, as the recipe says.
 
-Dense GEMMs (attention projections, dense MLP, shared experts, the MTP projection; not the router and
-not the LM head) take one of two per-tensor recipes:
+Dense GEMMs (attention projections, dense MLP, shared experts, the MTP projection; not the router
+and not the LM head) take one of two per-tensor recipes (`precision.fp8_recipe`):
   current  each scale comes from the tensor's own absolute maximum (amax) at that moment
   delayed  each scale comes from the largest amax of the last `history` steps, kept per GEMM in an
            `Fp8History` variable [3, Z] (input, weight, gradient) of the train state (so it
            is checkpointed). An empty history (a fresh run) gives scale 1, as in Transformer Engine.
            The step's amaxes leave the backward pass as the "gradient" of the history; the train
            step stores that instead of applying an optimizer update (jmoe/train/step.py).
-Expert GEMMs scale from current values, per row and per expert (jmoe/ops/fp8_grouped.py).
+  blockwise the dense GEMMs as `current`; the expert GEMMs on DeepSeek-V3's tile scales
+Expert GEMMs scale from current values, per row and per expert (jmoe/ops/fp8_grouped.py), or
+per tile with `blockwise` (jmoe/ops/fp8_blockwise.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ class Fp8Recipe:
   history: int = 16  # the amax history's length, for delayed scaling
   grad_format: str = "e5m2"  # the gradients' float8 format (the forward operands are E4M3)
   experts: bool = True  # the expert GEMMs too
+  dense: bool = True  # the dense GEMMs: attention, dense MLPs, shared experts (not the head)
+  # expert GEMMs on 1 x 128 / 128 x 128 tile scales (jmoe/ops/fp8_blockwise.py); the dense GEMMs
+  # then scale from current values per tensor
+  blockwise: bool = False
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
+  weight_gradient: str = "bf16"  # the expert GEMMs' weight gradient: bf16 | fp8
 
   @property
   def grad_dtype(self):
@@ -47,9 +54,12 @@ def recipe_from_config(precision) -> Fp8Recipe | None:
   """The config's FP8 recipe, or None when the GEMMs run in the compute dtype."""
   if precision.gemm != "fp8":
     return None
-  return Fp8Recipe(delayed=precision.fp8_recipe == "delayed", history=precision.fp8_amax_history,
-                   grad_format=precision.fp8_grad_format, experts=precision.fp8_experts,
-                   dispatch=precision.fp8_dispatch)
+  return Fp8Recipe(delayed=precision.fp8_recipe == "delayed",
+                   blockwise=precision.fp8_recipe == "blockwise",
+                   history=precision.fp8_amax_history, grad_format=precision.fp8_grad_format,
+                   experts=precision.fp8_experts, dense=precision.fp8_dense,
+                   dispatch=precision.fp8_dispatch,
+                   weight_gradient=precision.fp8_weight_gradient)
 
 
 def scale_for(amax: jax.Array, dtype) -> jax.Array:
@@ -151,4 +161,5 @@ def project(x: jax.Array, w: jax.Array, n: int, site: Fp8Dot | None) -> jax.Arra
 
 
 def fp8_site(recipe: Fp8Recipe | None) -> Fp8Dot | None:
-  return None if recipe is None else Fp8Dot(recipe)
+  """The FP8 GEMM of a dense projection, or None where it stays in the compute dtype."""
+  return None if recipe is None or not recipe.dense else Fp8Dot(recipe)

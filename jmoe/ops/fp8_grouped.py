@@ -24,20 +24,28 @@ RaggedDot = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 @dataclasses.dataclass(frozen=True)
 class RaggedKernels:
-  """A backend's float8 kernels: the forward grouped GEMM and the weight gradient's contraction."""
+  """A backend's float8 kernels: the forward grouped GEMM and the weight gradient's contraction;
+  `contract16`, the backend's 16-bit contraction, for a weight gradient taken in bf16."""
   dot: RaggedDot
   contract: RaggedDot
+  contract16: RaggedDot | None = None
 
 
-def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2"):
+def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
+                weight_gradient: str = "fp8"):
   """A grouped GEMM (x_XD, w_EDF, group_sizes_E) -> y_XF in FP8 with row-wise scaling.
 
   Forward: x with one scale per row, w one per expert; y = (x_q . w_q) * s_x[row] * s_w[e].
-  Input gradient: dy per row, times the same quantized weight (transposed). Weight gradient:
+  Input gradient: dy per row, times the same quantized weight (transposed), quantized again
+  from w rather than kept from the forward (w is held anyway; its float8 copy would be
+  one more weight-sized buffer per layer until the backward pass). Weight gradient in FP8:
   dw[e] = sum_r x[r]^T dy[r] = sum_r x_q[r]^T (dy[r] * s_x[r]), so the forward's row-quantized x is
   reused and its row scales fold into dy, which is then quantized with one scale.
+  `weight_gradient="bf16"` (where the kernels have `contract16`): the same sum in the 16-bit
+  kernel, over x_q dequantized (the values the forward multiplied) and dy as it comes.
   """
   grad_dtype = FORMATS[grad_format]
+  contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
   @jax.custom_vjp
   def gemm(x_XD, w_EDF, group_sizes_E):
@@ -52,11 +60,11 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2"):
     y_XF = y_XF.astype(jnp.float32) * scale_X1 * take_rows(scale_E11[:, 0], expert_X)
     # Rows past the groups are zeros (a kernel may leave them unwritten).
     y_XF = jnp.where((expert_X < w_EDF.shape[0])[:, None], y_XF, 0)
-    return y_XF.astype(x_XD.dtype), (x_q, scale_X1, w_q, scale_E11, group_sizes_E,
-                                     jnp.zeros((), w_EDF.dtype))
+    return y_XF.astype(x_XD.dtype), (x_q, scale_X1, w_EDF, scale_E11, group_sizes_E)
 
   def bwd(residuals, dy_XF):
-    x_q, scale_X1, w_q, scale_E11, group_sizes_E, w_zero = residuals
+    x_q, scale_X1, w_EDF, scale_E11, group_sizes_E = residuals
+    w_q = quantize(w_EDF, scale_E11, E4M3)
     expert_X = row_groups(group_sizes_E, x_q.shape[0])
     in_groups_X1 = (expert_X < w_q.shape[0])[:, None]
     dy_XF = jnp.where(in_groups_X1, dy_XF, 0)
@@ -65,12 +73,17 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2"):
                         group_sizes_E)
     dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], expert_X)
     dx_XD = jnp.where(in_groups_X1, dx_XD, 0)
-    folded_XF = dy_XF.astype(jnp.float32) * scale_X1
-    scale_folded = scale_for(amax(folded_XF), grad_dtype)
-    dw_EDF = kernels.contract(x_q, quantize(folded_XF, scale_folded, grad_dtype), group_sizes_E)
-    dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded
+    if contract16 is not None:
+      x_XD = (x_q.astype(jnp.float32) * scale_X1).astype(dy_XF.dtype)
+      dw_EDF = contract16(x_XD, dy_XF, group_sizes_E).astype(jnp.float32)
+    else:
+      folded_XF = dy_XF.astype(jnp.float32) * scale_X1
+      scale_folded = scale_for(amax(folded_XF), grad_dtype)
+      dw_EDF = kernels.contract(x_q, quantize(folded_XF, scale_folded, grad_dtype),
+                                group_sizes_E)
+      dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded
     dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
-    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_zero.dtype), None
+    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_EDF.dtype), None
 
   gemm.defvjp(fwd, bwd)
 

@@ -11,7 +11,8 @@ expert with no rows gets a zero weight gradient. The registry `GEMM_BACKENDS` is
 `auto` picks mosaic on Hopper GPUs and ragged_dot elsewhere; scripts/check_gpu.py holds every
 backend to a float32 reference on the GPU, expert by expert (tokamax 0.0.17's kernel, measured
 there with a weight gradient 4% off, is not among them). With FP8 expert GEMMs a backend runs its
-float8 kernels (`GroupedGemm.fp8`) through `jmoe.ops.fp8_grouped.grouped_fp8`.
+float8 kernels (`GroupedGemm.fp8`) through `jmoe.ops.fp8_grouped.grouped_fp8`; mosaic's are
+jmoe's own (jmoe/ops/fp8_mosaic.py: float8 operands, float32 accumulation, a bf16 output).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
+from jmoe.ops.fp8_blockwise import blockwise_grouped
 from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
+from jmoe.ops.fp8_mosaic import mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
 
@@ -84,9 +87,9 @@ def _dense_contract_f8(x_XD, y_XF, group_sizes_E):
 
 
 GEMM_BACKENDS: dict[str, GroupedGemm] = {
-    # The Mosaic kernels have no float8 form that returns bf16; FP8 experts on Hopper run as
-    # per-expert blocks (moe.expert_blocks). Their custom VJP drops shard_map's varying types.
-    "mosaic": GroupedGemm(mosaic_grouped_gemm, keeps_varying_axes=False, portable=False),
+    # Their custom VJPs drop shard_map's varying types.
+    "mosaic": GroupedGemm(mosaic_grouped_gemm, mosaic_fp8_kernels(), keeps_varying_axes=False,
+                          portable=False),
     "ragged_dot": GroupedGemm(_ragged_dot, RaggedKernels(_ragged_dot_f8, _ragged_contract_f8)),
     "dense": GroupedGemm(_dense, RaggedKernels(_dense_f8, _dense_contract_f8)),
 }
@@ -110,19 +113,26 @@ def check_backend(name: str) -> None:
 
 
 @functools.cache
-def grouped_gemm(name: str, fp8_grad_format: str | None = None) -> GroupedGemm:
+def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False,
+                 weight_gradient: str = "bf16") -> GroupedGemm:
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
-  is given and the backend has float8 kernels."""
+  is given and the backend has float8 kernels, the weight gradient in `weight_gradient` (bf16
+  where the backend has a 16-bit contraction for it, else float8); with `blockwise`, on
+  DeepSeek-V3's blockwise scaled operands through its 16-bit kernels
+  (jmoe/ops/fp8_blockwise.py)."""
   check_backend(name)
   name = auto_gemm() if name == "auto" else name
   backend = GEMM_BACKENDS[name]
   if fp8_grad_format is None:
     return backend
+  if blockwise:
+    return dataclasses.replace(backend, gemm=blockwise_grouped(backend.gemm, fp8_grad_format))
   if backend.fp8 is None:
-    log.warning("moe.gemm=%s has no FP8 grouped GEMM on this GPU, so its grouped GEMMs stay in "
-                "bf16; moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
+    log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
+                "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
     return backend
-  return GroupedGemm(grouped_fp8(backend.fp8, fp8_grad_format), backend.fp8)
+  return dataclasses.replace(backend, gemm=grouped_fp8(backend.fp8, fp8_grad_format,
+                                                       weight_gradient))
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF

@@ -1,0 +1,106 @@
+"""Blockwise FP8 scaling as DeepSeek-V3 trained (`precision.fp8_recipe = "blockwise"`).
+
+Activations and gradients get one float32 scale per 1 x 128 tile (a row's 128 consecutive values
+along the contracted axis), weights one per 128 x 128 tile. A tile's scale maps its amax onto the
+format's largest value, so one outlier costs precision only within its tile.
+
+Because these scales vary along the contracted axis K, they cannot be applied to a GEMM's output:
+a kernel must scale each 128-deep K slice's partial sum before adding it (block_k = 128, a
+multiply of the accumulator per K step). jmoe's FP8 kernels do not do that yet, so
+`blockwise_grouped` computes the recipe's numerics in XLA: it quantizes the operands blockwise,
+dequantizes them to the compute dtype and runs the backend's 16-bit grouped GEMM. The values each
+GEMM multiplies are the recipe's up to one bf16 rounding of each (2^-9 relative: a float8 value
+has 4 significant bits, its tile's scale 24); the speed is bf16's, not FP8's. Differences from
+DeepSeek-V3's recipe: the weight gradient reuses the forward's 1 x 128 quantized activations and
+the input gradient's 1 x 128 quantized output gradient (DeepSeek-V3 requantizes both along the
+rows, 128 x 1, for that GEMM). The dense GEMMs keep per-tensor current scaling under this recipe
+(XLA's FP8 GEMM takes one scale per operand).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
+from jmoe.ops.fp8_grouped import _varying_like
+
+BLOCK = 128
+
+
+def _tiles(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, tuple[int, ...]]:
+  """x zero-padded to whole tiles on `axes` and reshaped so that each of those axes splits into
+  (tiles, BLOCK); also the tile axes' positions."""
+  pad = [(0, -x.shape[a] % BLOCK if a in axes else 0) for a in range(x.ndim)]
+  x = jnp.pad(x, pad)
+  shape, tile_axes = [], []
+  for a, size in enumerate(x.shape):
+    if a in axes:
+      tile_axes.append(len(shape))
+      shape += [size // BLOCK, BLOCK]
+    else:
+      shape.append(size)
+  return x.reshape(shape), tuple(tile_axes)
+
+
+def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3
+                    ) -> tuple[jax.Array, jax.Array]:
+  """(x_q, scale): x in float8 with one float32 scale per tile that is 128 long on each of `axes`
+  (negative axes count from the end) and 1 on the others; scale has x's shape with each of those
+  axes divided by 128 (rounded up: a partial tile at the end is a tile)."""
+  axes = tuple(sorted(a % x.ndim for a in axes))
+  tiled, tile_axes = _tiles(x, axes)
+  within = tuple(a + 1 for a in tile_axes)
+  scale = scale_for(amax(tiled, axis=within, keepdims=True), dtype)
+  x_q = quantize(tiled, scale, dtype).reshape(
+      tuple(-(-x.shape[a] // BLOCK) * BLOCK if a in axes else x.shape[a] for a in range(x.ndim)))
+  return x_q[tuple(slice(0, n) for n in x.shape)], jnp.squeeze(scale, within)
+
+
+def dequantize_blocks(x_q: jax.Array, scale: jax.Array, axes: tuple[int, ...],
+                      dtype=jnp.float32) -> jax.Array:
+  """x_q x its tile's scale, in `dtype` (the inverse of `quantize_blocks` up to the rounding)."""
+  axes = tuple(sorted(a % x_q.ndim for a in axes))
+  tiled, tile_axes = _tiles(x_q.astype(jnp.float32), axes)
+  scale = jnp.expand_dims(scale, tuple(a + 1 for a in tile_axes))
+  out = (tiled * scale).reshape(
+      tuple(-(-x_q.shape[a] // BLOCK) * BLOCK if a in axes else x_q.shape[a]
+            for a in range(x_q.ndim)))
+  return out[tuple(slice(0, n) for n in x_q.shape)].astype(dtype)
+
+
+def blockwise_round_trip(x: jax.Array, axes: tuple[int, ...], dtype=E4M3) -> jax.Array:
+  """x through blockwise float8 and back, in x's dtype."""
+  return dequantize_blocks(*quantize_blocks(x, axes, dtype), axes, x.dtype)
+
+
+def blockwise_grouped(gemm, grad_format: str = "e5m2"):
+  """The grouped GEMM `gemm` (x_XD, w_EDF, group_sizes_E) -> y_XF on blockwise-quantized
+  operands: x in 1 x 128 tiles along D, w in 128 x 128 tiles of each expert's [D, F], the output
+  gradient in 1 x 128 tiles along F (in `grad_format`). Zeros past the groups, as `gemm`."""
+  grad_dtype = FORMATS[grad_format]
+
+  @jax.custom_vjp
+  def grouped(x_XD, w_EDF, group_sizes_E):
+    return _fwd(x_XD, w_EDF, group_sizes_E)[0]
+
+  def _fwd(x_XD, w_EDF, group_sizes_E):
+    x_q = quantize_blocks(x_XD, (1,))
+    w_q = quantize_blocks(w_EDF, (1, 2))
+    y = gemm(dequantize_blocks(*x_q, (1,), x_XD.dtype),
+             dequantize_blocks(*w_q, (1, 2), x_XD.dtype), group_sizes_E)
+    return y, (x_q, w_q, group_sizes_E, jnp.zeros((), w_EDF.dtype))
+
+  def _bwd(residuals, dy_XF):
+    x_q, w_q, group_sizes_E, w_zero = residuals
+    dtype = dy_XF.dtype
+    x_XD = dequantize_blocks(*x_q, (1,), dtype)
+    w_EDF = dequantize_blocks(*w_q, (1, 2), dtype)
+    dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
+    _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_EDF)
+    dx_XD, dw_EDF = vjp(dy_XF)
+    return dx_XD, dw_EDF.astype(w_zero.dtype), None
+
+  grouped.defvjp(_fwd, _bwd)
+  return lambda x_XD, w_EDF, group_sizes_E: grouped(x_XD, _varying_like(w_EDF, x_XD),
+                                                    group_sizes_E)

@@ -1,0 +1,153 @@
+"""jmoe's FP8 grouped-GEMM kernels for NVIDIA Hopper, on JAX's Pallas Mosaic-GPU primitives.
+
+Hopper's FP8 wgmma reads both operands from shared memory with the contraction (K) contiguous,
+so both kernels take K-major operands (either float8 format, mixed as the recipe gives them: E4M3
+weights with E5M2 gradients) and accumulate in float32 registers (a wgmma accumulator),
+then round once to the output dtype (bfloat16 or float32) on the way out:
+
+  `ragged_rows`      out[rows of tile t] = a[rows] . b[e(t)]^T, a [M, K], b [E, N, K]
+                     (forward: a = x_q, b = the weights' transposed copy [E, F, D]; input
+                     gradient: a = dy_q, b = the weights [E, D, F] as they are)
+  `aligned_contract` out[e] = a[:, cols of e] . b[:, cols of e]^T, a [D, P], b [F, P], where
+                     each expert's columns start on a multiple of block_k and the gaps hold
+                     zeros (the layout `jmoe.ops.fp8_mosaic.group_aligned_columns` makes)
+
+Which row tile or column range each output belongs to is computed in XLA (jmoe/ops/fp8_mosaic.py)
+and read here as int32 scalars: the kernels carry no per-expert loop. Both are persistent: one
+program per SM walks the output tiles in a snake order (`grid_block_n` tiles side by side) so
+that neighbouring programs share operand tiles in L2.
+
+These kernels have not yet run on a GPU: scripts/check_gpu.py (fp8_* cases) holds them to a
+float32 reference of the dequantized operands, expert by expert.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# The Pallas Mosaic-GPU imports are deferred to the calls: this module must import on CPU hosts.
+
+
+def _num_sms() -> int:
+  return getattr(jax.devices()[0], "core_count", None) or 132
+
+
+def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block_m: int,
+                block_n: int, block_k: int, steps: int, grid_block_n: int,
+                out_dtype=jnp.bfloat16) -> jax.Array:
+  """[M, N]: for each row tile t (table_4T[:, t] = expert, row block, first row within the
+  block, row count; count 0: nothing to do), the rows [block * block_m + first, + count) of
+  a . b[expert]^T. Rows no tile covers are left unwritten (the caller zeroes them)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  m, k = a_MK.shape
+  _, n, k2 = b_ENK.shape
+  assert k == k2 and k % block_k == 0 and n % block_n == 0, (a_MK.shape, b_ENK.shape)
+  num_tiles, grid_n = table_4T.shape[1], n // block_n
+  # Stores move 2^i rows each, the set bits of the tile's row count (a TMA copy's shape is
+  # static): log2(block_m) + 1 copies cover any count from 1 to block_m.
+  widths = [1 << i for i in reversed(range(max(1, min(block_m, m)).bit_length()))]
+
+  def body(table_ref, a_ref, b_ref, out_ref):
+    @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+    def _tile(info):
+      t, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1, grid_block_n)
+      expert, block, first, count = (table_ref[i, t] for i in range(4))
+
+      @pl.when(count > 0)
+      def _work():
+        def accumulate(acc_ref):
+          step = lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+          plgpu.emit_pipeline(
+              step, grid=(k // block_k,),
+              in_specs=[plgpu.BlockSpec((block_m, block_k), lambda ki: (block, ki),
+                                        delay_release=1),
+                        plgpu.BlockSpec((block_n, block_k), lambda ki: (ni, ki),
+                                        delay_release=1)],
+              max_concurrent_steps=steps)(a_ref, b_ref.at[expert])
+          return acc_ref[...]
+
+        acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
+
+        def store(out_smem):
+          out_smem[...] = acc.astype(out_smem.dtype)
+          plgpu.commit_smem()
+          row0 = block * block_m
+          offset = first
+          for width in widths:  # descending powers of two: the binary digits of `count`
+            take = count & width
+
+            @pl.when(take != 0)
+            def _copy(offset=offset, width=width):
+              plgpu.copy_smem_to_gmem(
+                  out_smem.at[pl.ds(offset, width)],
+                  out_ref.at[pl.ds(row0 + offset, width), pl.ds(ni * block_n, block_n)])
+
+            offset = offset + take
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(store, plgpu.SMEM((block_m, block_n), out_dtype))
+
+  call = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return call(table_4T, a_MK, b_ENK)
+
+
+def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, block_m: int,
+                     block_n: int, block_k: int, steps: int, grid_block_n: int,
+                     out_dtype=jnp.bfloat16) -> jax.Array:
+  """[E, D, F]: out[e] = a[:, c] . b[:, c]^T over expert e's columns c, which are the
+  blocks_2E[1, e] column blocks (of block_k) from block blocks_2E[0, e]. An expert with no
+  blocks gets zeros (the accumulator starts at zero). Every tile is written."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  d, p = a_DP.shape
+  f, p2 = b_FP.shape
+  assert p == p2 and p % block_k == 0 and d % block_m == 0 and f % block_n == 0, (
+      a_DP.shape, b_FP.shape)
+  num_experts, grid_m, grid_n = blocks_2E.shape[1], d // block_m, f // block_n
+
+  def body(blocks_ref, a_ref, b_ref, out_ref):
+    @plgpu.nd_loop((num_experts, grid_m * grid_n), collective_axes="sm")
+    def _tile(info):
+      expert = info.index[0]
+      mi, ni = plgpu.planar_snake(info.index[1], (grid_m, grid_n), 1, grid_block_n)
+      start, count = blocks_ref[0, expert], blocks_ref[1, expert]
+
+      def accumulate(acc_ref):
+        @pl.when(count > 0)
+        def _pipeline():
+          step = lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+          plgpu.emit_pipeline(
+              step, grid=(count,),
+              in_specs=[plgpu.BlockSpec((block_m, block_k), lambda ki: (mi, start + ki),
+                                        delay_release=1),
+                        plgpu.BlockSpec((block_n, block_k), lambda ki: (ni, start + ki),
+                                        delay_release=1)],
+              max_concurrent_steps=steps)(a_ref, b_ref)
+
+        return acc_ref[...]
+
+      acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
+
+      def store(out_smem):
+        out_smem[...] = acc.astype(out_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            out_smem, out_ref.at[expert, pl.ds(mi * block_m, block_m), pl.ds(ni * block_n,
+                                                                               block_n)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      pl.run_scoped(store, plgpu.SMEM((block_m, block_n), out_dtype))
+
+  call = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((num_experts, d, f), out_dtype), grid=(_num_sms(),),
+      grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return call(blocks_2E, a_DP, b_FP)
+

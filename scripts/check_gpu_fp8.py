@@ -1,0 +1,209 @@
+"""The FP8 grouped-GEMM kernels of moe.gemm=mosaic (jmoe/ops/fp8_mosaic.py) on a Hopper GPU.
+
+  python scripts/check_gpu.py --fp8 [--rows 16384] [--shapes up,down] [--no-attention]
+  python scripts/check_gpu_fp8.py [--rows 16384] [--bench]
+
+Kernel cases (fp8_kernels/SHAPE/ROUTING), on the balanced, skewed and empty-expert routings of
+scripts/check_gpu.py (the last with rows past the groups): the operands are quantized here as
+jmoe quantizes them (x per row and w per expert in E4M3; dy per row in E5M2 for the input
+gradient; for the weight gradient dy x (x's row scale) with one E5M2 scale), the kernels run, the
+scales are applied as jmoe's caller applies them, and each of y, dx and every expert's dw is
+compared with a float32 reference computed on the host, expert by expert, from the same
+DEQUANTIZED values. So FP8's own rounding is not in the error; what is left is the kernel's one
+rounding of its float32 accumulator to the bf16 output (8 significant bits: half an ulp is 2^-9
+to 2^-8 of a value; 1.66e-3 RMS relative, measured with stand-in kernels that round the same
+way, tests/test_fp8_mosaic.py) and float32 summation order (~1e-6). The case passes at
+FP8_TOLERANCE = 3e-3; a scale off by 2x on one expert's rows costs that expert 100% and the whole
+output about 1/sqrt(E) of that (9% at 128 experts), rows taken from the wrong expert about 140%
+(each case reports what doubling the busiest expert's scale would give, and fails if the
+tolerance would not catch that by 10x). An expert with
+no rows must get an exactly zero weight gradient (the kernel writes zeros).
+End-to-end cases (fp8_grouped/SHAPE/ROUTING, the weight gradient in bf16, and
+fp8_grouped_wfp8/..., in FP8): moe.gemm=mosaic with precision.gemm=fp8
+(`grouped_gemm("mosaic", "e5m2", weight_gradient=...)`) against float32 on the unquantized bf16 inputs, within FP8's
+own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past the groups exactly
+zero in y and dx: the wiring, the scales and the zeroing.
+`--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the Qwen3-30B-A3B shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from check_gpu import ROUTINGS, SHAPES, named, relative_error, routing, run_jobs
+
+FP8_TOLERANCE = 3e-3
+FP8_SHAPES = ("up", "down", "odd", "mixtral_down")
+E2E_FWD, E2E_GRAD = 0.05, 0.12
+
+
+def quantized_case(shape: str, kind: str, rows: int, seed: int) -> dict:
+  """bf16 inputs, their float8 forms and float32 scales, as jmoe's FP8 expert GEMMs make them."""
+  from jmoe.ops.fp8 import E4M3, E5M2, amax, quantize, scale_for
+  experts, d, f = SHAPES[shape]
+  rows = rows if shape != "odd" else 300
+  sizes = routing(kind, experts, rows, np.random.default_rng(seed)).astype(np.int32)
+  keys = jax.random.split(jax.random.key(seed), 3)
+  x = jax.random.normal(keys[0], (rows, d), jnp.bfloat16)
+  w = (jax.random.normal(keys[1], (experts, d, f), jnp.float32) * d ** -0.5).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[2], (rows, f), jnp.bfloat16)
+  s_x = scale_for(amax(x, axis=1, keepdims=True), E4M3)
+  s_w = scale_for(amax(w, axis=(1, 2), keepdims=True), E4M3)
+  s_dy = scale_for(amax(dy, axis=1, keepdims=True), E5M2)
+  folded = dy.astype(jnp.float32) * s_x
+  s_folded = scale_for(amax(folded), E5M2)
+  return dict(sizes=sizes, x=x, w=w, dy=dy, s_x=s_x, s_w=s_w, s_dy=s_dy, s_folded=s_folded,
+              x_q=quantize(x, s_x, E4M3), w_q=quantize(w, s_w, E4M3),
+              dy_q=quantize(dy, s_dy, E5M2), folded_q=quantize(folded, s_folded, E5M2))
+
+
+def host(a) -> np.ndarray:
+  return np.asarray(jax.device_get(a), np.float32)
+
+
+def expert_rows(sizes) -> list[slice]:
+  ends = np.cumsum(sizes)
+  return [slice(int(s), int(e)) for s, e in zip(ends - sizes, ends)]
+
+
+def kernel_case(c: dict) -> dict:
+  """The three kernels on one case, scaled as the caller scales them, against the dequantized
+  float32 reference."""
+  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
+  sizes = c["sizes"]
+  groups = jnp.asarray(sizes)
+  row_expert = np.repeat(np.arange(len(sizes)), sizes)
+  used = int(sizes.sum())
+  s_x, s_dy, s_w = host(c["s_x"])[:used], host(c["s_dy"])[:used], host(c["s_w"])[:, 0, 0]
+  y = jax.jit(lambda x, w: fp8_ragged_dot(x, jnp.swapaxes(w, 1, 2), groups))(c["x_q"], c["w_q"])
+  dx = jax.jit(lambda dy, w: fp8_ragged_dot(dy, w, groups))(c["dy_q"], c["w_q"])
+  dw = jax.jit(lambda x, g: fp8_aligned_contract(x, g, groups))(c["x_q"], c["folded_q"])
+  y = host(y)[:used] * s_x * s_w[row_expert][:, None]
+  dx = host(dx)[:used] * s_dy * s_w[row_expert][:, None]
+  dw = host(dw) * float(c["s_folded"])
+  x_q, w_q, dy_q, g_q = (host(c[k]) for k in ("x_q", "w_q", "dy_q", "folded_q"))
+  y_ref, dx_ref, dw_ref = np.zeros_like(y), np.zeros_like(dx), np.zeros_like(dw)
+  for e, rows in enumerate(expert_rows(sizes)):  # the same float8 values, dequantized
+    w_e = w_q[e] * s_w[e]
+    y_ref[rows] = (x_q[rows] * s_x[rows]) @ w_e
+    dx_ref[rows] = (dy_q[rows] * s_dy[rows]) @ w_e.T
+    dw_ref[e] = x_q[rows].T @ g_q[rows] * float(c["s_folded"])
+  busiest = int(np.argmax(sizes))
+  doubled = y.copy()
+  doubled[expert_rows(sizes)[busiest]] *= 2
+  per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
+  result = {"rows": used, "out": relative_error(y, y_ref), "dx": relative_error(dx, dx_ref),
+            "dw_worst_expert": max(per_expert),
+            "doubled_scale_error": relative_error(doubled, y_ref),
+            "empty_experts_zero": bool(all(np.all(dw[e] == 0) for e in range(len(sizes))
+                                           if not sizes[e])),
+            "finite": bool(np.all(np.isfinite(y)) and np.all(np.isfinite(dx))
+                           and np.all(np.isfinite(dw)))}
+  result["ok"] = bool(max(result["out"], result["dx"], result["dw_worst_expert"]) <= FP8_TOLERANCE
+                      and result["doubled_scale_error"] > 10 * FP8_TOLERANCE
+                      and result["empty_experts_zero"] and result["finite"])
+  return result
+
+
+def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
+  """moe.gemm=mosaic in FP8, through jmoe's own custom VJP, against float32 on the bf16 inputs;
+  the weight gradient in `weight_gradient` (precision.fp8_weight_gradient)."""
+  from jmoe.ops.grouped_gemm import grouped_gemm
+  gemm = jax.jit(grouped_gemm("mosaic", "e5m2", weight_gradient=weight_gradient))
+  sizes, used = c["sizes"], int(c["sizes"].sum())
+  y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), c["x"], c["w"])
+  y, dx, dw = (host(a) for a in (y, *vjp(c["dy"])))
+  x, w, dy = host(c["x"]), host(c["w"]), host(c["dy"])
+  y_ref, dx_ref, dw_ref = np.zeros_like(y), np.zeros_like(dx), np.zeros_like(dw)
+  for e, rows in enumerate(expert_rows(sizes)):
+    y_ref[rows], dx_ref[rows], dw_ref[e] = x[rows] @ w[e], dy[rows] @ w[e].T, x[rows].T @ dy[rows]
+  per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
+  result = {"rows": len(y), "out": relative_error(y[:used], y_ref[:used]),
+            "dx": relative_error(dx[:used], dx_ref[:used]), "dw_worst_expert": max(per_expert),
+            "rows_past_groups_zero": bool(np.all(y[used:] == 0) and np.all(dx[used:] == 0)),
+            "empty_experts_zero": bool(all(np.all(dw[e] == 0) for e in range(len(sizes))
+                                           if not sizes[e]))}
+  result["ok"] = bool(result["out"] <= E2E_FWD and max(result["dx"], result["dw_worst_expert"])
+                      <= E2E_GRAD and result["rows_past_groups_zero"]
+                      and result["empty_experts_zero"])
+  return result
+
+
+def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
+  """One kernel job and one end-to-end job per (shape, routing)."""
+  def job(kind_of_check, shape, kind):
+    check = f"fp8_{kind_of_check}/{shape}/{kind}"
+
+    def run():
+      c = quantized_case(shape, kind, rows, ROUTINGS.index(kind))
+      return {"check": check, **(kernel_case(c) if kind_of_check == "kernels"
+                                 else grouped_case(c, "fp8" if "wfp8" in kind_of_check
+                                                   else "bf16"))}
+    return named(run, check)
+
+  return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
+          for which in ("kernels", "grouped", "grouped_wfp8")]
+
+
+def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
+  """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing."""
+  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
+  from jmoe.ops.mosaic_gemm import ragged, ragged_contract
+
+  def seconds(fn, *args):
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / reps
+
+  out = []
+  for shape in shapes:
+    c = quantized_case(shape, "balanced", rows, 0)
+    groups = jnp.asarray(c["sizes"])
+    experts, d, f = SHAPES[shape]
+    w_t = jnp.swapaxes(c["w_q"], 1, 2)  # the forward's K-major copy, made once here
+    runs = {"fwd": (lambda x, w: fp8_ragged_dot(x, w, groups), (c["x_q"], w_t),
+                    lambda x, w: ragged(x, w, groups, False), (c["x"], c["w"])),
+            "dlhs": (lambda g, w: fp8_ragged_dot(g, w, groups), (c["dy_q"], c["w_q"]),
+                     lambda g, w: ragged(g, w, groups, True), (c["dy"], c["w"])),
+            "drhs": (lambda x, g: fp8_aligned_contract(x, g, groups), (c["x_q"], c["folded_q"]),
+                     lambda x, g: ragged_contract(x, g, groups), (c["x"], c["dy"]))}
+    flops = 2 * rows * d * f
+    for name, (fp8, fp8_args, bf16, bf16_args) in runs.items():
+      t8, t16 = seconds(jax.jit(fp8), *fp8_args), seconds(jax.jit(bf16), *bf16_args)
+      out.append({"bench": f"fp8/{shape}/{name}", "rows": rows, "fp8_tflops": flops / t8 / 1e12,
+                  "bf16_tflops": flops / t16 / 1e12, "speedup": t16 / t8})
+  return out
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--rows", type=int, default=16384)
+  parser.add_argument("--shapes", default=",".join(FP8_SHAPES))
+  parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--bench", action="store_true", help="time the kernels after the checks")
+  parser.add_argument("--bench-only", action="store_true", help="time the kernels, check nothing")
+  args = parser.parse_args(argv)
+  print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
+  results = [] if args.bench_only else run_jobs(fp8_jobs(args.rows, args.shapes.split(",")),
+                                                args.workers)
+  if args.bench or args.bench_only:
+    for line in bench(args.rows, args.shapes.split(",") if args.bench_only else ("up", "down")):
+      print(json.dumps(line), flush=True)
+  failed = [r["check"] for r in results if not r["ok"]]
+  if not args.bench_only:
+    print(json.dumps({"failed": failed, "ok": not failed}))
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

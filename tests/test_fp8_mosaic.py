@@ -1,0 +1,234 @@
+"""The XLA side of the Mosaic FP8 grouped GEMMs, on CPU: the row-tile table, the group-aligned
+layout of the weight gradient, and what reaches the kernels, with stand-in kernels that compute
+the kernels' contract in XLA (and leave NaN where a kernel leaves memory unwritten). The kernels
+themselves run only on Hopper: scripts/check_gpu.py --fp8."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jmoe.ops.fp8_mosaic_kernels as kernels
+from jmoe.ops import mosaic_gemm
+from jmoe.ops.fp8_grouped import grouped_fp8
+from jmoe.ops.fp8_mosaic import group_aligned_columns, mosaic_fp8_kernels, row_tiles
+from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
+
+F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+SIZES = [[5, 0, 9, 3, 7], [0, 0, 24, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]
+
+
+def covered_rows(table, block_m):
+  """{row: expert} from a row-tile table, checking that no row is covered twice."""
+  rows = {}
+  for expert, block, first, count in np.asarray(table).T:
+    assert 0 <= first and first + count <= block_m
+    for r in range(block * block_m + first, block * block_m + first + count):
+      assert r not in rows
+      rows[r] = expert
+  return rows
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+@pytest.mark.parametrize("block_m", [4, 8])
+def test_row_tiles_cover_each_experts_rows_once(sizes, block_m):
+  table = row_tiles(jnp.asarray(sizes), 30, block_m)
+  assert table.shape == (4, -(-30 // block_m) + len(sizes) - 1) and table.dtype == jnp.int32
+  ends = np.cumsum(sizes)
+  want = {r: e for e, (s, t) in enumerate(zip(ends - sizes, ends)) for r in range(s, t)}
+  assert covered_rows(table, block_m) == want  # rows past the groups: in no tile
+
+
+@pytest.mark.parametrize("sizes", SIZES)
+def test_group_aligned_columns_hold_each_expert_in_whole_blocks(sizes):
+  block_k = 4
+  source, blocks = group_aligned_columns(jnp.asarray(sizes), 30, block_k)
+  source, blocks = np.asarray(source), np.asarray(blocks)
+  assert source.shape[0] % block_k == 0 and source.shape[0] >= 30 + 5 * (block_k - 1)
+  ends = np.cumsum(sizes)
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    first, count = blocks[:, e]
+    cols = source[first * block_k:(first + count) * block_k]
+    assert count == -(-sizes[e] // block_k)
+    np.testing.assert_array_equal(cols[:sizes[e]], np.arange(start, end))
+    assert np.all(cols[sizes[e]:] == 30)  # the gap: zero columns
+  owned = sum(blocks[1]) * block_k
+  assert np.all(source[owned:] == 30)
+
+
+def fake_rows(a, b, table, *, block_m, block_n, block_k, steps, grid_block_n, out_dtype):
+  """ragged_rows' contract in XLA; rows no tile covers come back NaN (unwritten memory)."""
+  assert a.dtype in F8 and b.dtype in F8 and a.shape[1] == b.shape[2]  # both K-major
+  assert a.shape[0] % 8 == 0 and a.shape[1] % block_k == 0 and b.shape[1] % block_n == 0
+  assert b.shape[1] // block_n % grid_block_n == 0 and steps >= 1
+  assert table.dtype == jnp.int32 and table.shape[0] == 4
+  expert, block, first, count = table
+  rows_TB = block[:, None] * block_m + first[:, None] + jnp.arange(block_m)
+  rows_TB = jnp.where(jnp.arange(block_m) < count[:, None], rows_TB, a.shape[0])
+  expert_M = jnp.full((a.shape[0],), -1).at[rows_TB].set(
+      jnp.broadcast_to(expert[:, None], rows_TB.shape), mode="drop")
+  y_MEN = jnp.einsum("mk,enk->men", a.astype(jnp.float32), b.astype(jnp.float32))
+  y_MN = jnp.take_along_axis(y_MEN, jnp.maximum(expert_M, 0)[:, None, None], 1)[:, 0]
+  return jnp.where(expert_M[:, None] >= 0, y_MN, jnp.nan).astype(out_dtype)
+
+
+def fake_contract(a, b, blocks, *, block_m, block_n, block_k, steps, grid_block_n, out_dtype):
+  """aligned_contract's contract in XLA: whole column blocks per expert, no mask inside them."""
+  assert a.dtype in F8 and b.dtype in F8 and a.shape[1] == b.shape[1]  # both contract over P
+  assert a.shape[0] % block_m == 0 and b.shape[0] % block_n == 0 and a.shape[1] % block_k == 0
+  block_P = jnp.arange(a.shape[1]) // block_k
+  owned_EP = (block_P >= blocks[0][:, None]) & (block_P < (blocks[0] + blocks[1])[:, None])
+  return jnp.einsum("dp,fp,ep->edf", a.astype(jnp.float32), b.astype(jnp.float32),
+                    owned_EP.astype(jnp.float32)).astype(out_dtype)
+
+
+def fake_contract16(x, y, sizes):
+  """mosaic_gemm.ragged_contract's contract in XLA: 16-bit operands, float32 sums, a bf16
+  result; experts with no rows unwritten (NaN)."""
+  assert x.dtype == y.dtype == jnp.bfloat16 and x.shape[0] % 8 == 0
+  expert_X = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
+  one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
+  out = jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
+  return jnp.where((sizes > 0)[:, None, None], out, jnp.nan).astype(jnp.bfloat16)
+
+
+def loop_reference(x, w, sizes):
+  ends = np.cumsum(sizes)
+  x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  y = np.zeros((x.shape[0], w.shape[2]))
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    y[start:end] = x[start:end] @ w[e]
+  return y
+
+
+def rel(a, b):
+  return np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("sizes", SIZES[:3])
+def test_mosaic_fp8_gemm_with_stand_in_kernels_against_a_float32_loop(sizes):
+  """Odd widths (D 40, F 200) exercise the padding; 3 rows past the groups."""
+  sizes = np.asarray(sizes) * 2 + (np.arange(5) == 1)  # 25..50 rows
+  rows = int(sizes.sum()) + 3
+  keys = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(keys[0], (rows, 40))
+  w = jax.random.normal(keys[1], (5, 40, 200))
+  dy = jax.random.normal(keys[2], (rows, 200))
+  gemm = grouped_fp8(mosaic_fp8_kernels(fake_rows, fake_contract))
+  y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
+  dx, dw = vjp(dy)
+  used = int(sizes.sum())
+  dy_used = np.where(np.arange(rows)[:, None] < used, dy, 0)
+  # FP8 rounding: a few percent; a wrong scale or expert: far more
+  assert rel(y[:used], loop_reference(x, w, sizes)[:used]) < 0.05
+  assert rel(dx[:used], loop_reference(dy_used, np.swapaxes(w, 1, 2), sizes)[:used]) < 0.12
+  ends = np.cumsum(sizes)
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    want = np.asarray(x[start:end], np.float64).T @ np.asarray(dy[start:end], np.float64)
+    if end > start:
+      assert rel(dw[e], want) < 0.12, e
+    else:
+      np.testing.assert_array_equal(dw[e], 0)
+  np.testing.assert_array_equal(y[used:], 0)  # NaN from the stand-in, zeroed by the caller
+  np.testing.assert_array_equal(dx[used:], 0)
+  assert np.all(np.isfinite(dw))
+
+
+def test_fp8_with_mosaic_runs_the_mosaic_kernels(monkeypatch):
+  """precision.gemm=fp8 with moe.gemm=mosaic: the float8 kernels, not the bf16 ones, under the
+  backend's own flags."""
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
+  backend = grouped_gemm("mosaic", "e5m2", weight_gradient="fp8")
+  assert backend.fp8 is GEMM_BACKENDS["mosaic"].fp8 is not None
+  assert not backend.portable and not backend.keeps_varying_axes
+  x, w, dy = jnp.ones((24, 128)), jnp.ones((3, 128, 64)), jnp.ones((24, 64))
+  y, vjp = jax.vjp(lambda x, w: backend(x, w, jnp.asarray([8, 0, 12])), x, w)
+  dx, dw = vjp(dy)
+  np.testing.assert_allclose(y[:20], 128, rtol=1e-2)
+  np.testing.assert_allclose(dx[:20], 64, rtol=1e-2)
+  np.testing.assert_allclose(dw[0], 8, rtol=1e-2)
+  np.testing.assert_allclose(dw[2], 12, rtol=1e-2)
+  np.testing.assert_array_equal(dw[1], 0)
+  assert y.dtype == x.dtype and dw.dtype == w.dtype
+
+
+def test_kernels_module_imports_without_a_gpu():
+  assert callable(kernels.ragged_rows) and callable(kernels.aligned_contract)
+
+
+def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatch):
+  """scripts/check_gpu_fp8.py's cases with the stand-in kernels (float32 accumulation, one bf16
+  rounding: what the kernels do) pass, well inside FP8_TOLERANCE; a kernel whose output is 2x
+  on one expert's rows, or whose weight gradient misses a column block, fails."""
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  try:
+    import check_gpu_fp8 as check
+  finally:
+    sys.path.pop(0)
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
+  monkeypatch.setattr(mosaic_gemm, "ragged_contract", fake_contract16)
+  monkeypatch.setitem(check.SHAPES, "small", (6, 256, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  assert not c["sizes"].all() and c["sizes"].sum() < 500  # empty experts, rows past the groups
+  good = check.kernel_case(c)
+  assert good["ok"], good
+  assert max(good["out"], good["dx"], good["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE
+  assert check.grouped_case(c, "bf16")["ok"] and check.grouped_case(c, "fp8")["ok"]
+
+  def doubled_rows(a, b, table, **kw):  # expert 2's rows scaled twice
+    y = fake_rows(a, b, table, **kw)
+    rows = np.cumsum(c["sizes"])
+    return y.at[int(rows[1]):int(rows[2])].multiply(2)
+
+  def short_contract(a, b, blocks, **kw):  # the last column block of each expert dropped
+    return fake_contract(a, b, blocks.at[1].set(jnp.maximum(blocks[1] - 1, 0)), **kw)
+
+  monkeypatch.setattr(kernels, "ragged_rows", doubled_rows)
+  assert not check.kernel_case(c)["ok"]
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", short_contract)
+  assert not check.kernel_case(c)["ok"]
+
+
+def test_a_bf16_weight_gradient_takes_the_dequantized_input_and_the_gradient_as_it_comes():
+  """precision.fp8_weight_gradient=bf16: the forward and input gradient stay in FP8, the weight
+  gradient is the 16-bit contraction of x as the forward quantized it (dequantized) with dy
+  unquantized: equal to that sum per expert, far closer to the exact one than FP8's."""
+  from jmoe.ops.fp8 import E4M3, amax, quantize, scale_for
+  seen = []
+
+  def contract16(x, y, sizes):
+    seen.append((x.dtype, y.dtype))
+    ends = jnp.cumsum(sizes)
+    expert_X = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")
+    one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
+    return jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
+
+  sizes = np.asarray([30, 0, 45, 12, 9])
+  rows = int(sizes.sum()) + 3
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (rows, 40))
+  w = jax.random.normal(keys[1], (5, 40, 200))
+  dy = jax.random.normal(keys[2], (rows, 200))
+  kernels_ = mosaic_fp8_kernels(fake_rows, fake_contract, contract16)
+  dws = {}
+  for which in ("bf16", "fp8"):
+    gemm = grouped_fp8(kernels_, weight_gradient=which)
+    _, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
+    dws[which] = np.asarray(vjp(dy)[1], np.float64)
+  assert seen and all(d == (jnp.float32, jnp.float32) for d in seen)
+  scale = scale_for(amax(x, axis=1, keepdims=True), E4M3)
+  x_deq = np.asarray(quantize(x, scale, E4M3).astype(jnp.float32) * scale, np.float64)
+  ends = np.cumsum(sizes)
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    if end == start:
+      np.testing.assert_array_equal(dws["bf16"][e], 0)
+      continue
+    exact = np.asarray(x[start:end], np.float64).T @ np.asarray(dy[start:end], np.float64)
+    np.testing.assert_allclose(dws["bf16"][e], x_deq[start:end].T @ np.asarray(
+        dy[start:end], np.float64), rtol=1e-5, atol=1e-4)
+    assert rel(dws["bf16"][e], exact) < 0.5 * rel(dws["fp8"][e], exact), e
