@@ -192,14 +192,45 @@ def test_bubble_fraction():
 
 
 def test_default_schedule():
-  """auto: GPipe while the micro-batches are no more than the stages; then 1F1B, interleaved
-  with repeats where the stages divide the micro-batches."""
+  """auto: GPipe first; the schedule the stages bound is 1F1B, interleaved with repeats where
+  the stages divide the micro-batches, none otherwise."""
   parallel = lambda **kw: ParallelConfig(DenseLayout(), ExpertLayout(), **kw)
-  assert parallel(pipeline=4).schedule(4) == "gpipe"
-  assert parallel(pipeline=4).schedule(8) == "1f1b"
-  assert parallel(pipeline=4, pipeline_repeats=2).schedule(8) == "interleaved"
-  assert parallel(pipeline=4, pipeline_repeats=2).schedule(6) == "gpipe"
-  assert parallel(pipeline=4, pipeline_schedule="gpipe").schedule(16) == "gpipe"
+  assert parallel(pipeline=4).schedule(16) == "gpipe"
+  assert parallel(pipeline=4, pipeline_schedule="1f1b").schedule(16) == "1f1b"
+  assert parallel(pipeline=4).bounded_schedule(8) == "1f1b"
+  assert parallel(pipeline=4, pipeline_repeats=2).bounded_schedule(8) == "interleaved"
+  assert parallel(pipeline=4, pipeline_repeats=2).bounded_schedule(6) is None
+
+
+@pytest.mark.parametrize("name, bounded", [("pp2_ep4", "1f1b"), ("pp2_repeats2", "interleaved")])
+def test_auto_keeps_gpipe_where_its_step_fits_and_bounds_memory_where_it_does_not(
+    name, bounded, caplog):
+  """The compiled GPipe step (4 micro-batches over 2 stages) against a device memory of its own
+  size, then one byte less: the bounded schedule, whose compiled step needs less; under QK-clip
+  GPipe stays (with a warning)."""
+  import dataclasses
+  from jmoe.train.step import compiled_peak, fitting_schedule
+
+  def fitted(config, memory):
+    layout = make_layout(config.parallel, jax.devices())
+    optimizer = make_optimizer(config.train, config.precision.moments)
+    spec = state_spec(config, layout, optimizer)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                         first_batches(config)[0])
+    chosen, compiled = fitting_schedule(config, layout, spec, optimizer, batch, memory=memory)
+    return chosen.parallel.pipeline_schedule, compiled_peak(compiled)
+
+  config = config_for(LAYOUTS[name])
+  assert config.parallel.pipeline_schedule == "auto"
+  kind, gpipe_bytes = fitted(config, None)  # no limit (as on CPU)
+  assert kind == "gpipe"
+  assert fitted(config, gpipe_bytes) == ("gpipe", gpipe_bytes)
+  kind, bounded_bytes = fitted(config, gpipe_bytes - 1)
+  assert kind == bounded and bounded_bytes < gpipe_bytes
+  clipped = dataclasses.replace(config, train=dataclasses.replace(config.train, qk_clip=10.0))
+  with caplog.at_level("WARNING"):
+    assert fitted(clipped, gpipe_bytes - 1)[0] == "gpipe"
+  assert "train.qk_clip runs on GPipe only" in caplog.text
 
 
 def test_pipeline_sizes_that_cannot_work():

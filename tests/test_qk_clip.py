@@ -253,7 +253,8 @@ def test_pipeline_schedules_other_than_gpipe_are_refused_by_name():
   stages = dict(pipeline=2, dense=dict(data=4), expert=dict(data=1, expert=4))
   train_cfg = dict(qk_clip=10.0, batch_size=16, micro_batch_size=4)  # 4 micro-batches
   with pytest.raises(ConfigError, match=r"train.qk_clip reads attention's largest logits from "
-                     r"GPipe's pipeline schedule only; parallel.pipeline_schedule is 1f1b \(auto, "
-                     r"for 4 micro-batches\): set parallel.pipeline_schedule=gpipe"):
-    tiny_config(train=train_cfg, parallel=stages)
+                     r"GPipe's pipeline schedule only; parallel.pipeline_schedule is 1f1b: set "
+                     r"parallel.pipeline_schedule=gpipe \(or auto"):
+    tiny_config(train=train_cfg, parallel=dict(stages, pipeline_schedule="1f1b"))
   tiny_config(train=train_cfg, parallel=dict(stages, pipeline_schedule="gpipe"))
+  tiny_config(train=train_cfg, parallel=stages)  # auto: GPipe under QK-clip

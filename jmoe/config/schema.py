@@ -170,21 +170,23 @@ class ParallelConfig:
   pipeline_first: int = 0
   pipeline_last: int = 0
   # auto | gpipe | 1f1b | interleaved (jmoe/model/pipeline.py): the order of the micro-batches'
-  # forward and backward passes through the stages; auto: `schedule` below.
+  # forward and backward passes through the stages; auto: the fastest that fits, GPipe (no
+  # recomputation) unless its compiled step needs more than the device's memory, then
+  # `bounded_schedule` (jmoe/train/step.py: fitting_schedule).
   pipeline_schedule: str = "auto"
 
   def schedule(self, micro_batches: int) -> str:
-    """The schedule `pipeline_schedule` names; auto: GPipe (no recomputation: the fastest) while
-    the micro-batches are no more than the stages, as many as 1F1B would keep in flight; beyond,
-    1F1B (interleaved with repeats, where the stages divide the micro-batches), whose memory does
-    not grow with them."""
-    if self.pipeline_schedule != "auto":
-      return self.pipeline_schedule
-    if self.pipeline == 1 or micro_batches <= self.pipeline:
-      return "gpipe"
+    """The schedule `pipeline_schedule` names; auto: GPipe, its first choice (the compiled step
+    decides whether it stays: jmoe/train/step.py)."""
+    return "gpipe" if self.pipeline_schedule == "auto" else self.pipeline_schedule
+
+  def bounded_schedule(self, micro_batches: int) -> str | None:
+    """The schedule whose activation memory the stages bound rather than the micro-batches:
+    1F1B, or interleaved with repeats (where the stages divide the micro-batches); None where
+    neither runs (repeats over micro-batches the stages do not divide)."""
     if self.pipeline_repeats == 1:
       return "1f1b"
-    return "interleaved" if micro_batches % self.pipeline == 0 else "gpipe"
+    return "interleaved" if micro_batches % self.pipeline == 0 else None
 
   def layer_groups(self, num_layers: int) -> tuple[int, ...]:
     """The MoE layers of each group (virtual stage), in order g = r * pipeline + s; a

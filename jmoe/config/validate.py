@@ -330,12 +330,10 @@ def _pipeline(config: Config):
     yield (f"parallel.pipeline_schedule=interleaved takes the micro-batches in rounds of one per "
            f"stage: train.batch_size / train.micro_batch_size ({micro}) must be a multiple of "
            f"parallel.pipeline ({p.pipeline}); change train.micro_batch_size")
-  resolved = p.schedule(micro)
-  if config.train.qk_clip and resolved != "gpipe":
+  if config.train.qk_clip and schedule not in ("gpipe", "auto"):
     yield (f"train.qk_clip reads attention's largest logits from GPipe's pipeline schedule only; "
-           f"parallel.pipeline_schedule is {resolved}"
-           f"{' (auto, for ' + str(micro) + ' micro-batches)' if schedule == 'auto' else ''}: set "
-           f"parallel.pipeline_schedule=gpipe, or turn train.qk_clip off")
+           f"parallel.pipeline_schedule is {schedule}: set parallel.pipeline_schedule=gpipe (or "
+           f"auto, which keeps GPipe under QK-clip), or turn train.qk_clip off")
   if config.precision.gemm == "fp8" and config.precision.fp8_recipe == "delayed":
     yield ("precision.fp8_recipe=delayed keeps one amax history per GEMM, which every micro-batch "
            "in the pipeline's stages would update at once: use fp8_recipe=current with "

@@ -26,7 +26,7 @@ from jmoe.memory.walk import Value, Walker, divisor, nbytes
 from jmoe.parallel import Layout
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.state import state_spec
-from jmoe.train.step import compile_train_step, make_train_step
+from jmoe.train.step import compile_train_step, compiled_peak, make_train_step
 
 log = logging.getLogger("jmoe")
 
@@ -121,9 +121,7 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
   """What XLA's compiled train step takes per device: its arguments (the state, donated, and the
   batch), the outputs that do not reuse them, and its temporaries. Compiles; for checking the
   estimate on devices at hand."""
-  m = compiled_step(config, layout).memory_analysis()
-  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes)
+  return compiled_peak(compiled_step(config, layout))
 
 
 def compiled_step(config: Config, layout: Layout,

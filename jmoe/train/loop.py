@@ -30,7 +30,7 @@ from jmoe.train.preemption import StopSignals
 from jmoe.train.state import TrainState, state_spec
 from jmoe.train.start import (check_batch_fits, check_record, initial_state, run_record,
                               saved_part)
-from jmoe.train.step import compile_train_step, make_eval_step
+from jmoe.train.step import fitting_schedule, make_eval_step
 from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
                                 workdir_path, write_atomic)
 
@@ -92,13 +92,6 @@ class Trainer:
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
              layout.mesh.devices.size, jax.default_backend(), layout.describe())
-    if layout.stages > 1:
-      micro = config.train.num_micro_batches
-      sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule(micro))
-      log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
-               "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
-               layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
-               slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save)
@@ -115,11 +108,13 @@ class Trainer:
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
       self.checkpointer.reserve_host_memory(saved_part(config, self.state))  # while compiling
       t0 = time.perf_counter()
-      self._step_fn = compile_train_step(config, layout, spec, optimizer,
-                                         self.data.batch_spec())
+      scheduled, self._step_fn = fitting_schedule(config, layout, spec, optimizer,
+                                                  self.data.batch_spec())
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+      if layout.stages > 1:
+        log_pipeline(scheduled, layout)
       try:
         self._write_start(config, workdir)
         self._writer = MetricsWriter(workdir, config.train.steps, start_step=self.step,
@@ -259,6 +254,16 @@ class Trainer:
       raise not_written(failure, self.workdir) from None
     if failure is not None:
       raise failure
+
+
+def log_pipeline(config: Config, layout) -> None:
+  """The pipeline's schedule (resolved), bubble, micro-batches in flight and stage balance."""
+  micro = config.train.num_micro_batches
+  sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule(micro))
+  log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
+           "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
+           layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
+           slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
 
 
 def not_written(error: OSError, path: pathlib.Path) -> ConfigError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Callable
 
 import jax
@@ -19,6 +21,8 @@ from jmoe.train.loss import (head_nll, mtp_inputs, mtp_loss, router_metrics, tar
 from jmoe.train.pipelined import make_pipelined_gradients
 from jmoe.train.optimizer import AdamW, global_norm, learning_rate
 from jmoe.train.state import StateSpec, TrainState, frozen, trainable
+
+log = logging.getLogger(__name__)
 
 MAX_LOGIT = "attention_max_logit"  # the metric: per layer (and, inside the step, per head)
 
@@ -172,7 +176,62 @@ def compile_train_step(config: Config, layout: Layout, spec: StateSpec,
                        compiler_options: dict | None = None) -> jax.stages.Compiled:
   """The train step compiled for `layout`: the state placed as `spec` says and donated, the batch
   split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes), with XLA's
-  `compiler_options` if given."""
+  `compiler_options` if given; with pipeline stages on `auto`, the schedule `fitting_schedule`
+  picks."""
+  return fitting_schedule(config, layout, spec, optimizer, batch, compiler_options)[1]
+
+
+def compiled_peak(compiled: jax.stages.Compiled) -> int:
+  """Bytes the compiled step takes per device: its arguments (the state, donated, and the
+  batch), the outputs that do not reuse them, and its temporaries (XLA's memory analysis)."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+
+
+def device_memory() -> int | None:
+  """The memory XLA may use on one device, or None where the platform sets no limit (CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("bytes_limit")
+
+
+def fitting_schedule(config: Config, layout: Layout, spec: StateSpec, optimizer: AdamW,
+                     batch: dict, compiler_options: dict | None = None,
+                     memory: int | None = None) -> tuple[Config, jax.stages.Compiled]:
+  """(the config with its pipeline schedule resolved, its compiled step). With pipeline stages
+  and `parallel.pipeline_schedule=auto`: GPipe's step (no recomputation: the fastest) if it
+  needs no more than `memory` bytes per device (default: the device's limit; None: no limit),
+  else the schedule the stages bound (1F1B, or interleaved with repeats), compiled in its place;
+  GPipe stays where no bounded schedule runs or under QK-clip (GPipe only), with a warning."""
+  if layout.stages == 1 or config.parallel.pipeline_schedule != "auto":
+    return config, _compile(config, layout, spec, optimizer, batch, compiler_options)
+  micro = config.train.num_micro_batches
+  with_schedule = lambda name: dataclasses.replace(config, parallel=dataclasses.replace(
+      config.parallel, pipeline_schedule=name))
+  gpipe = with_schedule("gpipe")
+  compiled = _compile(gpipe, layout, spec, optimizer, batch, compiler_options)
+  memory = device_memory() if memory is None else memory
+  need = compiled_peak(compiled)
+  if memory is None or need <= memory:
+    return gpipe, compiled
+  bounded = config.parallel.bounded_schedule(micro)
+  gib = lambda b: f"{b / 2**30:.1f} GiB"
+  if bounded is None or config.train.qk_clip:
+    log.warning("pipeline_schedule=auto: GPipe's step needs %s per device, more than the %s it "
+                "has, and %s; it stays on GPipe", gib(need), gib(memory),
+                "train.qk_clip runs on GPipe only" if config.train.qk_clip else
+                f"no bounded schedule runs {micro} micro-batches over {layout.stages} stages x "
+                f"{layout.repeats} repeats (interleaved needs a multiple of the stages)")
+    return gpipe, compiled
+  chosen = with_schedule(bounded)
+  compiled = _compile(chosen, layout, spec, optimizer, batch, compiler_options)
+  log.info("pipeline_schedule=auto: GPipe's step needs %s per device, more than the %s it has: "
+           "%s instead (%s)", gib(need), gib(memory), bounded, gib(compiled_peak(compiled)))
+  return chosen, compiled
+
+
+def _compile(config: Config, layout: Layout, spec: StateSpec, optimizer: AdamW, batch: dict,
+             compiler_options: dict | None) -> jax.stages.Compiled:
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
   with layout.active():  # the model's sharding annotations read the layout while tracing
     return jax.jit(step, in_shardings=(spec.shardings, layout.batch),
