@@ -146,6 +146,27 @@ def test_sharding_snapshot_tp4_ep4_etp2():
     assert specs[name] == spec, (name, specs[name])
 
 
+def test_a_dimension_the_whole_group_does_not_divide_splits_over_the_largest_run_that_does():
+  """A micro-batch of 4 sequences over 2 stages x 4 data devices splits over the data ones (the
+  1F1B loop's head ran replicated on every device before); 6 over them, over 2 (the stages);
+  7: whole; a vocabulary of 250 over 2 x 2 tensor devices: over 2, 251: whole."""
+  from jax.sharding import PartitionSpec as P
+  config = tiny_config(parallel=dict(pipeline=2, dense=dict(data=4), expert=dict(data=4)),
+                       train=dict(batch_size=16, micro_batch_size=4))
+  layout = make_layout(config.parallel)
+  stage = layout.stage_axes[0]
+  data = layout.activation_spec(("act_batch",), (8,))[0][-1]
+  assert layout.activation_spec(("act_batch",), (8,)) == P((stage, data))
+  assert layout.activation_spec(("act_batch", None), (4, 3)) == P((data,), None)
+  assert layout.activation_spec(("act_batch",), (6,)) == P((stage,))
+  assert layout.activation_spec(("act_batch",), (7,)) == P(None)
+  tp = make_layout(tiny_config(model=MODEL, parallel=dict(
+      dense=dict(data=2, tensor=4), expert=dict(data=1, expert=4, tensor=2))).parallel)
+  assert tp.param_spec(("vocab", None), (256, 8)) == P(("tensor/expert", "tensor/tensor"), None)
+  assert tp.param_spec(("vocab", None), (250, 8)) == P(("tensor/tensor",), None)
+  assert tp.param_spec(("vocab", None), (251, 8)) == P(None, None)
+
+
 @pytest.mark.parametrize("name", ["fsdp8", "cp2_fsdp4_ep8"])
 def test_no_large_parameter_left_replicated(name):
   specs, sizes = param_specs(*LAYOUTS[name])

@@ -16,17 +16,11 @@ from flags import command_env
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLANS = sorted(p.name for p in (ROOT / "configs" / "plans").glob("*.py"))
 H200_BYTES = 141e9
-# Strict: a plan listed here fails the day it fits, to move it back. The estimate does not model
-# XLA replicating the pipeline's copies of the micro-batches (docs/MEMORY.md): the pipelined
-# DeepSeek-V3 plan fits by the estimate (88.7 GiB) but took 201.8 GiB compiled.
+# Strict: a plan listed here fails the day it fits, to move it back.
 DOES_NOT_FIT = {
     "gpt_oss_120b_64gpu.py": "without recomputation each MoE layer keeps its all-to-all blocks "
                              "(64 peers x 1.25 x the mean) for the backward pass: 149.5 GB "
                              "(XLA on 64 mocked H200s: 146.7); remat=attention_moe fits (35.9)",
-    "kimi_k2_256gpu.py": "with virtual stages the pipeline keeps each iteration's layer weights "
-                         "for the backward pass (140 GiB); pipeline_repeats=1 fits (74 GiB)",
-    "deepseek_v3_megatron_pp16.py": "GPipe keeps all 128 micro-batches' stage inputs: 141.7 GB; "
-                                    "bf16 moments (precision.moments) fit (126 GB)",
 }
 # One process of as many simulated devices as the largest plan: each plan takes the first of them.
 ESTIMATE_ALL = """

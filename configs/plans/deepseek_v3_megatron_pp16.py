@@ -20,17 +20,15 @@ bf16 mixed precision with the distributed optimizer, sequence parallelism, 3 den
 - batch 8192 sequences of 4096 in micro-batches of 64 (one per data-parallel rank): 128
   micro-batches in one pass, 143 iterations of the schedule.
 - `train.remat=full`: the benchmark's recomputation is left to the command line (the zoo's
-  examples use selective recomputation of MLA's up-projections and norms). Megatron's 1F1B keeps
-  at most 16 micro-batches in flight on the first stage; jmoe's GPipe keeps the stage inputs of
-  all 128, which only whole-layer recomputation makes small enough (a plausible choice, not the
-  published one).
+  examples use selective recomputation of MLA's up-projections and norms); a plausible choice,
+  not the published one. Under 1F1B, as Megatron, at most 2 S - 1 = 31 micro-batches' stage
+  inputs are in flight on the first stage, whatever the 128.
 - float32 parameters and moments, bf16 compute (Megatron's bf16 mode keeps float32 master weights
   and Adam moments); no multi-token prediction module, as the benchmark ran.
 - `moe.router.force_balanced`: the zoo's scripts name `--moe-router-force-load-balancing` for
   forced-balance (dropless) speed runs, as AutoModel's rows use a balanced gate.
-The published schedule is 1F1B; jmoe's is GPipe: its activation memory is GPipe's. It does not
-fit an H200 by 0.7 GB (estimate 132.0 GiB, docs/MEMORY.md); bf16 AdamW moments
-(`--config.precision.moments=bfloat16`) fit (117.1 GiB).
+The schedule is the published one, 1F1B: the estimate fits an H200 at 59.9 GiB (GPipe: 96.2,
+docs/MEMORY.md).
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024
   python scripts/comm_volume.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024
@@ -46,8 +44,7 @@ DEVICES = 1024
 def get_config():
   c = read_config_file(pathlib.Path(__file__).parents[1] / "deepseek_v3.py")
   c.model.mtp_depth = 0
-  # GPipe: the figures in docs/MEMORY.md are its (see there for 1F1B)
-  c.parallel.update(pipeline=16, pipeline_first=1, pipeline_last=1, pipeline_schedule="gpipe")
+  c.parallel.update(pipeline=16, pipeline_first=1, pipeline_last=1, pipeline_schedule="1f1b")
   c.parallel.dense.update(data=1, fsdp=64, context=1, tensor=1)
   c.parallel.expert.update(data=1, expert=64, tensor=1)
   c.moe.dispatcher = "alltoall"
