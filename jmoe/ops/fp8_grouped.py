@@ -37,8 +37,9 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
 
   Forward: x with one scale per row, w one per expert; y = (x_q . w_q) * s_x[row] * s_w[e].
   Input gradient: dy per row, times the same quantized weight (transposed), quantized again
-  from w rather than kept from the forward (w is held anyway; its float8 copy would be
-  one more weight-sized buffer per layer until the backward pass). Weight gradient in FP8:
+  from w rather than kept from the forward (w is held anyway: the parameter itself where
+  parameters are stored in the compute dtype, else its cast, as the 16-bit GEMM's backward holds
+  it; a float8 copy would be one more weight-sized buffer per layer). Weight gradient in FP8:
   dw[e] = sum_r x[r]^T dy[r] = sum_r x_q[r]^T (dy[r] * s_x[r]), so the forward's row-quantized x is
   reused and its row scales fold into dy, which is then quantized with one scale.
   `weight_gradient="bf16"` (where the kernels have `contract16`): the same sum in the 16-bit
