@@ -509,14 +509,14 @@ def test_resume_from_every_step_reads_what_the_uninterrupted_run_read(tmp_path, 
   losses to the bit (one compiled step shared by all, so that only the restored state and input
   position can differ)."""
   import jmoe.train.loop as loop
-  original, compiled = loop.compile_train_step, []
+  original, compiled = loop.fitting_schedule, []
 
   def compile_once(*args):
     if not compiled:
       compiled.append(original(*args))
     return compiled[0]
 
-  monkeypatch.setattr(loop, "compile_train_step", compile_once)
+  monkeypatch.setattr(loop, "fitting_schedule", compile_once)
   config = config_for("fsdp8_ep8", "train.steps=4", "checkpoint.every=1", "checkpoint.keep=10",
                       f"data.source={short_documents(tmp_path / 'docs')}",
                       f"data.packing={packing}")
