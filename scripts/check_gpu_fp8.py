@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -156,14 +155,8 @@ def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
   """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing."""
   from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
   from jmoe.ops.mosaic_gemm import ragged, ragged_contract
-
-  def seconds(fn, *args):
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / reps
+  from tune_gemm import median_seconds
+  seconds = lambda fn, *args: median_seconds(fn, *args, reps=reps)
 
   out = []
   for shape in shapes:

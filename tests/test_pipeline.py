@@ -195,8 +195,8 @@ def test_default_schedule():
   """auto: GPipe first; the schedule the stages bound is 1F1B, interleaved with repeats where
   the stages divide the micro-batches, none otherwise."""
   parallel = lambda **kw: ParallelConfig(DenseLayout(), ExpertLayout(), **kw)
-  assert parallel(pipeline=4).schedule(16) == "gpipe"
-  assert parallel(pipeline=4, pipeline_schedule="1f1b").schedule(16) == "1f1b"
+  assert parallel(pipeline=4).schedule == "gpipe"
+  assert parallel(pipeline=4, pipeline_schedule="1f1b").schedule == "1f1b"
   assert parallel(pipeline=4).bounded_schedule(8) == "1f1b"
   assert parallel(pipeline=4, pipeline_repeats=2).bounded_schedule(8) == "interleaved"
   assert parallel(pipeline=4, pipeline_repeats=2).bounded_schedule(6) is None

@@ -175,7 +175,8 @@ class ParallelConfig:
   # `bounded_schedule` (jmoe/train/step.py: fitting_schedule).
   pipeline_schedule: str = "auto"
 
-  def schedule(self, micro_batches: int) -> str:
+  @property
+  def schedule(self) -> str:
     """The schedule `pipeline_schedule` names; auto: GPipe, its first choice (the compiled step
     decides whether it stays: jmoe/train/step.py)."""
     return "gpipe" if self.pipeline_schedule == "auto" else self.pipeline_schedule

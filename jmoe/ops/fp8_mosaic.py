@@ -31,21 +31,10 @@ import jax.numpy as jnp
 
 from jmoe.ops.fp8_grouped import RaggedKernels
 from jmoe.ops import mosaic_gemm
-from jmoe.ops.mosaic_gemm import Tiles, one_call_per_batch
+from jmoe.ops.mosaic_gemm import ROW_MULTIPLE, Tiles, one_call_per_batch, pad_axis, round_up
 from jmoe.ops.rows import row_groups
 
-ROW_MULTIPLE = 8  # rows padded to a multiple of 8 (the kernels' row tiles are whole TMA rows)
 FP8_BLOCK_K = 128  # 128 one-byte values: one 128-byte swizzled row of shared memory
-
-
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
-def _pad_to(a: jax.Array, axis: int, size: int) -> jax.Array:
-  widths = [(0, 0)] * a.ndim
-  widths[axis] = (0, size - a.shape[axis])
-  return jnp.pad(a, widths) if size != a.shape[axis] else a
 
 
 def fp8_tiles(n: int) -> Tiles:
@@ -54,7 +43,7 @@ def fp8_tiles(n: int) -> Tiles:
   of operand tiles, the bf16 output tile reuses them), and the widest band of 4, 2 or 1 tiles
   that divides the output's tiles. Not yet tuned on the GPU."""
   block_n = 128 if n % 128 == 0 else 64
-  grid_n = _round_up(n, 64) // block_n
+  grid_n = round_up(n, 64) // block_n
   band = next(b for b in (4, 2, 1) if grid_n % b == 0)
   return Tiles(block_m=128, block_n=block_n, block_k=FP8_BLOCK_K, steps=4, grid_block_n=band)
 
@@ -90,7 +79,7 @@ def group_aligned_columns(group_sizes_E: jax.Array, num_rows: int, block_k: int
   blocks_2E[1, e] column blocks from block blocks_2E[0, e]. P = the smallest multiple of block_k
   that holds num_rows + E x (block_k - 1) columns, enough for any sizes summing to num_rows."""
   num_experts = group_sizes_E.shape[0]
-  width = _round_up(num_rows + num_experts * (block_k - 1), block_k)
+  width = round_up(num_rows + num_experts * (block_k - 1), block_k)
   sizes_E = group_sizes_E.astype(jnp.int32)
   blocks_E = -(-sizes_E // block_k)
   aligned_ends_E = jnp.cumsum(blocks_E) * block_k
@@ -117,9 +106,9 @@ def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
   rows, k = x_XK.shape
   n = w_ENK.shape[1]
   tiles = fp8_tiles(n)
-  k_pad, n_pad = _round_up(k, tiles.block_k), _round_up(n, tiles.block_n)
-  x_XK = _pad_to(_pad_to(x_XK, 1, k_pad), 0, _round_up(rows, ROW_MULTIPLE))
-  w_ENK = _pad_to(_pad_to(w_ENK, 2, k_pad), 1, n_pad)
+  k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
+  x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, round_up(rows, ROW_MULTIPLE))
+  w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
   table_4T = row_tiles(group_sizes_E, x_XK.shape[0], tiles.block_m)
   call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
                            block_k=tiles.block_k, steps=tiles.steps,
@@ -137,8 +126,8 @@ def fp8_aligned_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Ar
   d, f = x_XD.shape[1], y_XF.shape[1]
   tiles = Tiles(block_m=128, block_n=128, block_k=FP8_BLOCK_K, steps=4, grid_block_n=1)
   source_P, blocks_2E = group_aligned_columns(group_sizes_E, x_XD.shape[0], tiles.block_k)
-  x_DP = _pad_to(aligned_transpose(x_XD, source_P), 0, _round_up(d, tiles.block_m))
-  y_FP = _pad_to(aligned_transpose(y_XF, source_P), 0, _round_up(f, tiles.block_n))
+  x_DP = pad_axis(aligned_transpose(x_XD, source_P), 0, round_up(d, tiles.block_m))
+  y_FP = pad_axis(aligned_transpose(y_XF, source_P), 0, round_up(f, tiles.block_n))
   call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
                            block_k=tiles.block_k, steps=tiles.steps,
                            grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
@@ -162,6 +151,6 @@ def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None
 def _contract16(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
   """The 16-bit Mosaic contraction, rows padded to the kernel's multiple of 8 (zero rows,
   outside every group)."""
-  rows = _round_up(x_XD.shape[0], ROW_MULTIPLE)
-  return mosaic_gemm.ragged_contract(_pad_to(x_XD, 0, rows), _pad_to(y_XF, 0, rows),
+  rows = round_up(x_XD.shape[0], ROW_MULTIPLE)
+  return mosaic_gemm.ragged_contract(pad_axis(x_XD, 0, rows), pad_axis(y_XF, 0, rows),
                                      group_sizes_E)

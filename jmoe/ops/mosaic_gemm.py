@@ -63,7 +63,7 @@ class Tiles:
     contraction (drhs: D) a multiple of its block, and the output width a multiple of a whole
     swizzle band (block_n x grid_block_n; a part band is left untried)."""
     band = self.block_n * self.grid_block_n
-    return _round_up(k, self.block_m if kind == "drhs" else self.block_k), _round_up(n, band)
+    return round_up(k, self.block_m if kind == "drhs" else self.block_k), round_up(n, band)
 
   def smem_bytes(self, kind: str) -> int:
     """Shared memory the kernel asks for, from its source: each pipeline step holds one lhs and one
@@ -136,7 +136,7 @@ def default_tiles(kind: str, k: int, n: int) -> Tiles:
   8x the work)."""
   if kind == "drhs":
     return _default_contract(k, n)
-  k_pad, n_pad = _round_up(k, 64), _round_up(n, 64)
+  k_pad, n_pad = round_up(k, 64), round_up(n, 64)
   for block_m, block_n, steps in RAGGED_BLOCKS:
     for grid_block_n in GRID_BLOCK_N:
       t = Tiles(block_m=block_m, block_n=block_n, block_k=64, steps=steps,
@@ -149,7 +149,7 @@ def default_tiles(kind: str, k: int, n: int) -> Tiles:
 def _default_contract(d: int, f: int) -> Tiles:
   def cost(block):
     block_m, block_n, rate = block
-    d_pad, f_pad = _round_up(d, block_m), _round_up(f, block_n)
+    d_pad, f_pad = round_up(d, block_m), round_up(f, block_n)
     copies = PAD_COPY / f * (d_pad > d) + PAD_COPY / d * (f_pad > f)
     return d_pad * f_pad / (d * f) / rate + copies
 
@@ -163,11 +163,11 @@ def tiles_for(kind: str, k: int, n: int) -> Tiles:
   return tuned if tuned is not None and tuned.fits(kind, k, n) else default_tiles(kind, k, n)
 
 
-def _round_up(x: int, multiple: int) -> int:
+def round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
-def _pad_axis(a: jax.Array, axis: int, size: int) -> jax.Array:
+def pad_axis(a: jax.Array, axis: int, size: int) -> jax.Array:
   if a.shape[axis] == size:
     return a
   widths = [(0, 0)] * a.ndim
@@ -206,8 +206,8 @@ def ragged(x_XK: jax.Array, w: jax.Array, group_sizes_E: jax.Array, transpose_rh
   tiles = tiles or tiles_for("dlhs" if transpose_rhs else "fwd", k, n)
   k_pad, n_pad = tiles.padded("dlhs" if transpose_rhs else "fwd", k, n)
   if (k_pad, n_pad) != (k, n):  # zero columns of x and rows of w add nothing; extra outputs cut
-    x_XK = _pad_axis(x_XK, 1, k_pad)
-    w = _pad_axis(_pad_axis(w, 2 if transpose_rhs else 1, k_pad), 1 if transpose_rhs else 2,
+    x_XK = pad_axis(x_XK, 1, k_pad)
+    w = pad_axis(pad_axis(w, 2 if transpose_rhs else 1, k_pad), 1 if transpose_rhs else 2,
                   n_pad)
     return ragged(x_XK, w, group_sizes_E, transpose_rhs, tiles)[:, :n]
   kernel = functools.partial(
@@ -226,7 +226,7 @@ def ragged_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array,
   tiles = tiles or tiles_for("drhs", d, f)
   d_pad, f_pad = tiles.padded("drhs", d, f)
   if (d_pad, f_pad) != (d, f):  # zero columns give zero rows and columns of x^T y, cut off
-    out = ragged_contract(_pad_axis(x_XD, 1, d_pad), _pad_axis(y_XF, 1, f_pad), group_sizes_E,
+    out = ragged_contract(pad_axis(x_XD, 1, d_pad), pad_axis(y_XF, 1, f_pad), group_sizes_E,
                           tiles)
     return out[:, :d, :f]
   kernel = functools.partial(
@@ -279,7 +279,7 @@ def mosaic_grouped_gemm(x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Ar
     _not_16bit(jnp.dtype(x_XD.dtype).name)
     return jax.lax.ragged_dot(x_XD, w_EDF, group_sizes_E)
   rows = x_XD.shape[0]
-  padded = _pad_axis(x_XD, 0, _round_up(rows, ROW_MULTIPLE))  # extra rows: past the groups
+  padded = pad_axis(x_XD, 0, round_up(rows, ROW_MULTIPLE))  # extra rows: past the groups
   return _mosaic(padded, w_EDF, group_sizes_E.astype(jnp.int32))[:rows]
 
 

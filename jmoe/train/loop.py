@@ -259,7 +259,7 @@ class Trainer:
 def log_pipeline(config: Config, layout) -> None:
   """The pipeline's schedule (resolved), bubble, micro-batches in flight and stage balance."""
   micro = config.train.num_micro_batches
-  sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule(micro))
+  sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule)
   log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
            "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
            layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,

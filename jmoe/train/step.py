@@ -79,8 +79,7 @@ def make_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
   values, metrics): the batch's loss and its gradient, over its micro-batches: one after another,
   or with pipeline stages all through the stages at once. `rng`: the step's key for training
   noise, or None for none."""
-  if config.parallel.pipeline > 1 and config.parallel.schedule(
-      config.train.num_micro_batches) != "gpipe":
+  if config.parallel.pipeline > 1 and config.parallel.schedule != "gpipe":
     return make_pipelined_gradients(graphdef, config)
   loss_fn = make_loss_fn(graphdef, config)
 
@@ -200,7 +199,7 @@ def fitting_schedule(config: Config, layout: Layout, spec: StateSpec, optimizer:
                      memory: int | None = None) -> tuple[Config, jax.stages.Compiled]:
   """(the config with its pipeline schedule resolved, its compiled step). With pipeline stages
   and `parallel.pipeline_schedule=auto`: GPipe's step (no recomputation: the fastest) if it
-  needs no more than `memory` bytes per device (default: the device's limit; None: no limit),
+  needs no more than `memory` bytes per device (default: the device's limit, where it has one),
   else the schedule the stages bound (1F1B, or interleaved with repeats), compiled in its place;
   GPipe stays where no bounded schedule runs or under QK-clip (GPipe only), with a warning."""
   if layout.stages == 1 or config.parallel.pipeline_schedule != "auto":
