@@ -133,3 +133,30 @@ def test_packed_statistics_index_follows_the_documents_of_every_row():
     expected_within.append(w)
   np.testing.assert_array_equal(document, expected_document)
   np.testing.assert_array_equal(within, expected_within)
+
+
+@pytest.mark.parametrize("shards", [1, 2, 4, 8])
+def test_packed_rows_go_to_cudnn_one_per_device_at_a_time(shards):
+  """`_by_rows` runs a kernel on one row of each of the `shards` blocks of the batch at a time
+  (under a layout that splits the batch over `shards` devices: one row per device), and puts the
+  results back in order: each row here gets the ids of the rows it was called with."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  rows_B = jnp.arange(8, dtype=jnp.int32)
+  x_BS = jnp.broadcast_to(rows_B[:, None], (8, 3)).astype(jnp.float32)
+  mesh = Mesh(np.asarray(jax.devices()).reshape(shards, 8 // shards), ("batch", "rest"))
+  x_BS = jax.device_put(x_BS, NamedSharding(mesh, PartitionSpec("batch")))
+
+  def kernel(ids_B, x_BS):  # per call: its rows' ids, and the rows' values doubled
+    return jnp.broadcast_to(ids_B[None], (ids_B.shape[0],) * 2), 2 * x_BS
+
+  called, doubled = jax.jit(lambda i, x: attention_kernels._by_rows(kernel, shards, i, x))(
+      rows_B, x_BS)
+  blocks = np.arange(8).reshape(shards, 8 // shards)
+  want = np.stack([blocks[:, r % (8 // shards)] for r in range(8)])
+  np.testing.assert_array_equal(called, want if shards < 8 else np.tile(np.arange(8), (8, 1)))
+  np.testing.assert_array_equal(doubled, 2 * np.asarray(x_BS))
+  # Each device works on its own rows: nothing moves between devices.
+  hlo = jax.jit(lambda x: attention_kernels._by_rows(lambda x: 2 * x, shards, x)).lower(
+      x_BS).compile().as_text()
+  assert not any(c in hlo for c in ("all-gather", "all-to-all", "collective-permute",
+                                     "all-reduce")), hlo

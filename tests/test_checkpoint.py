@@ -206,6 +206,28 @@ def test_one_process_saves_replicated_arrays_without_compiling(tmp_path, caplog)
   np.testing.assert_array_equal(restored["split"], values + 1)
 
 
+def test_a_state_is_written_in_data_files_of_bounded_size(tmp_path, monkeypatch):
+  """Each data file is written by one thread: a state larger than DATA_FILE_BYTES is spread over
+  several files of about that size (so that many threads write it), and reads back whole."""
+  from jmoe.checkpoint import manager
+  monkeypatch.setattr(manager, "DATA_FILE_BYTES", 1 << 20)
+  rng = np.random.default_rng(0)
+  values = {f"w{i}": rng.standard_normal((256, 1024), np.float32) for i in range(24)}  # 24 MiB
+  state = jax.tree.map(jax.numpy.asarray, values)
+  checkpointer = Checkpointer(tmp_path, keep=1, async_save=False)
+  checkpointer.save(1, state)
+  checkpointer.wait()
+  files = [p for p in (tmp_path / "1" / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  sizes = sorted(p.stat().st_size for p in files)
+  # (A file closes once past the target: up to two of these 1 MiB arrays; 2 GiB files: one.)
+  assert len(files) >= 12 and sizes[-1] <= (2 << 20) + (64 << 10), sizes
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  restored, _ = checkpointer.restore(1, abstract, jax.tree.map(lambda x: x.sharding, state))
+  checkpointer.close()
+  for name, want in values.items():
+    np.testing.assert_array_equal(restored[name], want)
+
+
 def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypatch):
   """With room on the devices, an async save copies the state there and returns: the arrays it
   was given may be donated to the next step (here deleted) while a thread takes the copy to the

@@ -22,7 +22,7 @@ from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.max_logit import max_logit
 from jmoe.ops.params import param
-from jmoe.parallel import constrain
+from jmoe.parallel import constrain, split_count
 
 # Queries are split over context devices; keys and values are gathered whole along the sequence.
 Q_AXES = ("act_batch", "act_seq", "act_heads", None)
@@ -124,7 +124,8 @@ class Attention(nnx.Module):
                      kernel=cfg.attention_kernel, window=cfg.sliding_window,
                      windowed=cfg.windowed(layer), segment_ids=segment_ids_BS,
                      sinks=None if self.sinks_H is None else self.sinks_H[...],
-                     max_documents=cfg.attention_max_documents)
+                     max_documents=cfg.attention_max_documents,
+                     batch_shards=split_count(Q_AXES, q_BSHA.shape))
 
   def _masked(self, q_BSHA, k_BTGA, v_BTGA, allowed_B1ST):
     """Attention where `allowed_B1ST` says which keys each query sees, and the sinks."""

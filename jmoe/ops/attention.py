@@ -103,13 +103,14 @@ _attention.defvjp(_forward, _backward)
 def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale: float,
               kernel: str = "auto", window: int = 0, windowed=True,
               segment_ids: jax.Array | None = None, sinks: jax.Array | None = None,
-              max_documents: int = MAX_DOCUMENTS) -> jax.Array:
+              max_documents: int = MAX_DOCUMENTS, batch_shards: int = 1) -> jax.Array:
   """Causal attention [B, S, H, W] of queries [B, S, H, A] over keys [B, S, G, A] and values
   [B, S, G, W] (query head h reads key head h // (H / G)). `window`: each query sees its last
   `window` keys, itself included (0: all before it), where `windowed` (a bool, or a traced one)
   holds. `segment_ids` [B, S]: within each packed document only. `sinks` [H]: each head's sink
   logit (see the module doc). `max_documents`: the most documents a packed row has for cuDNN's
-  packed form (a batch with more takes XLA's kernel)."""
+  packed form (a batch with more takes XLA's kernel); `batch_shards`: the devices the batch is
+  split over (cuDNN then takes packed rows one per device at a time)."""
   if kernel == "auto":
     kernel = auto_kernel(jax.default_backend(), q_BSHA.dtype)
   chosen = choice("model.attention_kernel", kernel, ATTENTION_KERNELS)
@@ -118,7 +119,7 @@ def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale:
     _refused(reason)
     chosen = XLA
   elif chosen is CUDNN and segment_ids is not None:
-    chosen = cudnn_kernel(max_documents)
+    chosen = cudnn_kernel(max_documents, batch_shards)
   if not window or isinstance(windowed, bool):  # known now: no branch at run time
     window, windowed = (window if windowed else 0), None
   else:

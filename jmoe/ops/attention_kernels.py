@@ -173,12 +173,17 @@ XLA = AttentionKernel(xla_forward, xla_backward)
 
 # --- cuDNN ---
 
+def _document_starts(segment_ids_BS):
+  """[B, S]: whether a document starts at the token."""
+  prev_BS = jnp.pad(segment_ids_BS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+  return (segment_ids_BS != prev_BS) & (segment_ids_BS > 0)
+
+
 def packed_segments(segment_ids_BS: jax.Array, max_segments: int):
   """cuDNN's packed-sequence description of rows of documents (segment ids 1, 2, ... in runs,
   0 for padding at a row's end): (lengths_BM, offsets_BM1, documents_B), each row's document
   lengths and start offsets padded with -1 to `max_segments` (offsets: one more)."""
-  prev_BS = jnp.pad(segment_ids_BS[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-  start_BS = (segment_ids_BS != prev_BS) & (segment_ids_BS > 0)
+  start_BS = _document_starts(segment_ids_BS)
   starts_BM = jax.vmap(lambda s: jnp.nonzero(s, size=max_segments, fill_value=-1)[0])(start_BS)
   starts_BM = starts_BM.astype(jnp.int32)
   tokens_B1 = jnp.sum(segment_ids_BS > 0, axis=1, dtype=jnp.int32)[:, None]
@@ -249,78 +254,101 @@ def _cudnn_call(segment_ids_BS, window, max_documents):
   return kw, (offsets_BM1, documents_B)
 
 
-def _packed_fits(packed):
-  """Whether every row has at most as many documents as cuDNN's call takes (else XLA's kernel
-  runs)."""
-  offsets_BM1, documents_B = packed
-  return jnp.max(documents_B) <= offsets_BM1.shape[1] - 1
+def _packed_fits(segment_ids_BS, max_documents):
+  """Whether every row has at most `max_documents` documents (else XLA's kernel runs)."""
+  return jnp.max(jnp.sum(_document_starts(segment_ids_BS), axis=1)) <= max_documents
+
+
+def _by_rows(run, shards, *arrays_B):
+  """`run` on `shards` rows at a time, one from each of the `shards` equal blocks of the batch
+  (each device's share where the layout splits the batch over `shards` devices), the results
+  put back in order. cuDNN sizes a packed call's work for every row's `max_documents` sequences
+  of S tokens: a row at a time per device, that is one row's."""
+  batch = arrays_B[0].shape[0]
+  if batch % shards or batch == shards:
+    return run(*arrays_B)
+  steps = batch // shards
+  split = lambda x: x.reshape(shards, steps, *x.shape[1:]).swapaxes(0, 1)
+  joined = lambda y: y.swapaxes(0, 1).reshape(batch, *y.shape[2:])
+  return jax.tree.map(joined, jax.lax.map(lambda xs: run(*xs), tuple(map(split, arrays_B))))
+
+
+def _packed_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, *, scale, window, max_documents):
+  """cuDNN's forward of packed rows (each with at most `max_documents` documents)."""
+  cudnn = _cudnn_module()
+  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
+  out, stats = cudnn.dot_product_attention(q_BSHA, k_BTGA, v_BTGW, scale=scale,
+                                           return_residual=True, **kw)
+  if packed is None:
+    return out, stats  # [B, H, S]
+  document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
+  heads_1H1 = jnp.arange(q_BSHA.shape[2])[None, :, None]
+  lse_BHS = stats.at[document_BS[:, None, :], heads_1H1, within_BS[:, None, :]].get(
+      mode="fill", fill_value=0.0)
+  return out, lse_BHS  # (padding tokens' rows: jmoe/ops/attention.py zeroes them)
+
+
+def _packed_backward(q, k, v, out, lse_BHS, dout, segment_ids_BS, *, scale, window,
+                     max_documents):
+  """cuDNN's backward of `_packed_forward` (or of the unpacked forward without segment ids)."""
+  cudnn = _cudnn_module()
+  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
+  unused = jnp.zeros(0, q.dtype)
+  stats = lse_BHS
+  if packed is not None:  # back to cuDNN's packed order: [B x max_documents, H, S]
+    b, s, h = q.shape[0], q.shape[1], q.shape[2]
+    document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
+    stats = jnp.zeros((b * max_documents, h, s), F32).at[
+        document_BS[:, None, :], jnp.arange(h)[None, :, None], within_BS[:, None, :]].set(
+            lse_BHS, mode="drop")
+  args = [kw.get(name, unused) for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")]
+  grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
+      q, k, v, unused, *args, unused, unused, stats, out, dout, scale=scale, seed=42,
+      dropout_rate=0.0, variadic_args=(False, False), mask_type=kw["mask_type"],
+      layout=cudnn.AttentionLayout.BTNH.value,
+      sliding_window_length=kw["sliding_window_length"])[:3]
+  if packed is None:
+    return tuple(grads)
+  # Padding tokens take part in no document: their rows of the gradients are zero (the kernel
+  # leaves them unwritten).
+  return tuple(in_documents(segment_ids_BS, g) for g in grads)
 
 
 def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window,
-                   max_documents=MAX_DOCUMENTS):
-  cudnn = _cudnn_module()
-  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
-
-  def fused(q, k, v):
-    out, stats = cudnn.dot_product_attention(q, k, v, scale=scale, return_residual=True, **kw)
-    if packed is None:
-      return out, stats  # [B, H, S]
-    document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
-    heads_1H1 = jnp.arange(q.shape[2])[None, :, None]
-    lse_BHS = stats.at[document_BS[:, None, :], heads_1H1, within_BS[:, None, :]].get(
-        mode="fill", fill_value=0.0)
-    return out, lse_BHS  # (padding tokens' rows: jmoe/ops/attention.py zeroes them)
-
-  if packed is None:
-    return fused(q_BSHA, k_BTGA, v_BTGW)
-  unpacked = lambda q, k, v: blockwise_forward(q, k, v, segment_ids_BS, scale=scale,
-                                               window=window, block=FALLBACK_BLOCK)
-  return jax.lax.cond(_packed_fits(packed), fused, unpacked,
-                      q_BSHA, k_BTGA, v_BTGW)
+                   max_documents=MAX_DOCUMENTS, shards=1):
+  packed = functools.partial(_packed_forward, scale=scale, window=window,
+                             max_documents=max_documents)
+  if segment_ids_BS is None:
+    return packed(q_BSHA, k_BTGA, v_BTGW, None)
+  fused = lambda *a: _by_rows(packed, shards, *a)
+  unpacked = lambda q, k, v, ids: blockwise_forward(q, k, v, ids, scale=scale, window=window,
+                                                    block=FALLBACK_BLOCK)
+  return jax.lax.cond(_packed_fits(segment_ids_BS, max_documents), fused, unpacked,
+                      q_BSHA, k_BTGA, v_BTGW, segment_ids_BS)
 
 
 def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None,
-                    *, scale, window, max_documents=MAX_DOCUMENTS):
-  cudnn = _cudnn_module()
-  kw, packed = _cudnn_call(segment_ids_BS, window, max_documents)
-  unused = jnp.zeros(0, q_BSHA.dtype)
-
-  def fused(q, k, v, out, lse_BHS, dout):
-    stats = lse_BHS
-    if packed is not None:  # back to cuDNN's packed order: [B x max_documents, H, S]
-      b, s, h = q.shape[0], q.shape[1], q.shape[2]
-      document_BS, within_BS = _statistics_index(segment_ids_BS, *packed)
-      stats = jnp.zeros((b * max_documents, h, s), F32).at[
-          document_BS[:, None, :], jnp.arange(h)[None, :, None], within_BS[:, None, :]].set(
-              lse_BHS, mode="drop")
-    args = [kw.get(name, unused) for name in ("q_seqlen", "kv_seqlen", "q_offsets", "kv_offsets")]
-    grads = cudnn._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, unused, *args, unused, unused, stats, out, dout, scale=scale, seed=42,
-        dropout_rate=0.0, variadic_args=(False, False), mask_type=kw["mask_type"],
-        layout=cudnn.AttentionLayout.BTNH.value,
-        sliding_window_length=kw["sliding_window_length"])[:3]
-    if packed is None:
-      return tuple(grads)
-    # Padding tokens take part in no document: their rows of the gradients are zero (the kernel
-    # leaves them unwritten).
-    return tuple(in_documents(segment_ids_BS, g) for g in grads)
-
+                    *, scale, window, max_documents=MAX_DOCUMENTS, shards=1):
+  packed = functools.partial(_packed_backward, scale=scale, window=window,
+                             max_documents=max_documents)
   args = (q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW)
-  if packed is None:
-    return fused(*args)
-  unpacked = lambda *a: blockwise_backward(*a, segment_ids_BS, scale=scale, window=window,
-                                           block=FALLBACK_BLOCK)
-  return jax.lax.cond(_packed_fits(packed), fused, unpacked, *args)
+  if segment_ids_BS is None:
+    return packed(*args, None)
+  fused = lambda *a: _by_rows(packed, shards, *a)
+  unpacked = lambda *a: blockwise_backward(*a, scale=scale, window=window, block=FALLBACK_BLOCK)
+  return jax.lax.cond(_packed_fits(segment_ids_BS, max_documents), fused, unpacked,
+                      *args, segment_ids_BS)
 
 
 CUDNN = AttentionKernel(_cudnn_forward, _cudnn_backward, _cudnn_refusal)
 
 
 @functools.cache
-def cudnn_kernel(max_documents: int) -> AttentionKernel:
-  """cuDNN's kernels taking packed rows of up to `max_documents` documents in its packed form."""
-  if max_documents == MAX_DOCUMENTS:
+def cudnn_kernel(max_documents: int, shards: int = 1) -> AttentionKernel:
+  """cuDNN's kernels taking packed rows of up to `max_documents` documents in its packed form,
+  a row per call on each of the `shards` devices the batch is split over."""
+  if (max_documents, shards) == (MAX_DOCUMENTS, 1):
     return CUDNN
-  return AttentionKernel(functools.partial(_cudnn_forward, max_documents=max_documents),
-                         functools.partial(_cudnn_backward, max_documents=max_documents),
-                         _cudnn_refusal)
+  options = dict(max_documents=max_documents, shards=shards)
+  return AttentionKernel(functools.partial(_cudnn_forward, **options),
+                         functools.partial(_cudnn_backward, **options), _cudnn_refusal)

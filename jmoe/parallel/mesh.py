@@ -265,6 +265,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
+def split_count(axes: Sequence[str | None], shape: Sequence[int], dim: int = 0) -> int:
+  """Into how many parts the active layout splits dimension `dim` of an activation of logical
+  `axes` and `shape` (1 outside `Layout.active()`)."""
+  layout = active_layout()
+  if layout is None:
+    return 1
+  names = layout.activation_spec(axes, shape)[dim] or ()
+  names = (names,) if isinstance(names, str) else names
+  return int(np.prod([layout.mesh.shape[name] for name in names], dtype=np.int64))
+
+
 def make_layout(cfg: ParallelConfig, devices: Sequence[jax.Device] | None = None) -> Layout:
   devices = list(devices if devices is not None else jax.devices())
   folding = fold(cfg, len(devices))
