@@ -160,3 +160,36 @@ def test_packed_rows_go_to_cudnn_one_per_device_at_a_time(shards):
       x_BS).compile().as_text()
   assert not any(c in hlo for c in ("all-gather", "all-to-all", "collective-permute",
                                      "all-reduce")), hlo
+
+
+def test_values_padded_to_the_keys_width_under_vmap_change_nothing(monkeypatch):
+  """Under the stages' vmap, values narrower than the keys go to a fused kernel padded with zeros
+  to the keys' width (JAX's batching rule for cuDNN takes them equal) and the output is cut
+  back: output and every gradient equal the unpadded call's, and the kernel saw the padding."""
+  from jmoe.ops import attention as attention_module
+  widths = []
+
+  def forward(q, k, v, *args, **kw):
+    widths.append(v.shape[-1])
+    return attention_kernels.xla_forward(q, k, v, *args, **kw)
+
+  fused = attention_kernels.AttentionKernel(forward, attention_kernels.xla_backward)
+  monkeypatch.setitem(attention_module.ATTENTION_KERNELS, "cudnn", fused)
+  q, k, v, sinks, dout = inputs(a=12, w=8)
+  stack = lambda x: jnp.stack([x, 2 * x])  # two "stages"
+
+  def loss(q, k, v, sinks, vmapped):
+    run = lambda q, k, v: attention(q, k, v, scale=0.3, kernel="cudnn", sinks=sinks,
+                                    segment_ids=SEGMENTS, vmapped=vmapped)
+    out = jax.vmap(run)(q, k, v)
+    return jnp.sum(out * stack(dout)), out
+
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+  (padded, out_padded), (plain_, out_plain) = [
+      grad(stack(q), stack(k), stack(v), sinks, vmapped) for vmapped in (True, False)]
+  assert 12 in widths and 8 in widths
+  assert out_padded.shape == out_plain.shape == (2, *dout.shape)
+  np.testing.assert_allclose(out_padded, out_plain, rtol=1e-6, atol=1e-6)
+  for ours, want in zip(padded, plain_):
+    assert ours.shape == want.shape
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)

@@ -26,7 +26,7 @@ from jmoe.ops.attention import attention, masked_attention
 from jmoe.ops.fp8 import Fp8Recipe, fp8_site
 from jmoe.ops.max_logit import max_logit
 from jmoe.ops.params import param
-from jmoe.parallel import constrain, split_count
+from jmoe.parallel import constrain, in_stages, split_count
 
 # DeepSeek's latent norms use this epsilon whatever the model's own norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -132,7 +132,7 @@ class MLAttention(nnx.Module):
     if allowed_B1ST is None:  # values as they are: the kernels take a value head dim of its own
       out_BSHW = attention(q_BSHA, k_BTHA, v_BTHW, scale=scale, kernel=cfg.attention_kernel,
                            segment_ids=segment_ids, max_documents=cfg.attention_max_documents,
-                           batch_shards=split_count(Q_AXES, q_BSHA.shape))
+                           batch_shards=split_count(Q_AXES, q_BSHA.shape), vmapped=in_stages())
       if with_max_logit:
         top_H = max_logit(q_BSHA, k_BTHA, scale=scale, segment_ids=segment_ids)
     else:

@@ -103,14 +103,18 @@ _attention.defvjp(_forward, _backward)
 def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale: float,
               kernel: str = "auto", window: int = 0, windowed=True,
               segment_ids: jax.Array | None = None, sinks: jax.Array | None = None,
-              max_documents: int = MAX_DOCUMENTS, batch_shards: int = 1) -> jax.Array:
+              max_documents: int = MAX_DOCUMENTS, batch_shards: int = 1,
+              vmapped: bool = False) -> jax.Array:
   """Causal attention [B, S, H, W] of queries [B, S, H, A] over keys [B, S, G, A] and values
   [B, S, G, W] (query head h reads key head h // (H / G)). `window`: each query sees its last
   `window` keys, itself included (0: all before it), where `windowed` (a bool, or a traced one)
   holds. `segment_ids` [B, S]: within each packed document only. `sinks` [H]: each head's sink
   logit (see the module doc). `max_documents`: the most documents a packed row has for cuDNN's
   packed form (a batch with more takes XLA's kernel); `batch_shards`: the devices the batch is
-  split over (cuDNN then takes packed rows one per device at a time)."""
+  split over (cuDNN then takes packed rows one per device at a time). `vmapped`: the call runs
+  under a vmap (the pipeline's stages), whose batching rule for cuDNN's attention (jax 0.11)
+  takes the values' head size for the keys': narrower values are then padded with zeros to the
+  keys' size for cuDNN and the output cut back (exact; the padding's products are wasted)."""
   if kernel == "auto":
     kernel = auto_kernel(jax.default_backend(), q_BSHA.dtype)
   chosen = choice("model.attention_kernel", kernel, ATTENTION_KERNELS)
@@ -125,6 +129,10 @@ def attention(q_BSHA: jax.Array, k_BTGA: jax.Array, v_BTGW: jax.Array, *, scale:
   else:
     windowed = jnp.asarray(windowed, bool)
   static = _Static(chosen, float(scale), int(window))
+  width, keys = v_BTGW.shape[-1], k_BTGA.shape[-1]
+  if vmapped and chosen is not XLA and width < keys:
+    v_BTGA = jnp.pad(v_BTGW, [(0, 0)] * 3 + [(0, keys - width)])
+    return _attention(q_BSHA, k_BTGA, v_BTGA, sinks, windowed, segment_ids, static)[..., :width]
   return _attention(q_BSHA, k_BTGA, v_BTGW, sinks, windowed, segment_ids, static)
 
 

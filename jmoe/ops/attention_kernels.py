@@ -263,14 +263,16 @@ def _by_rows(run, shards, *arrays_B):
   """`run` on `shards` rows at a time, one from each of the `shards` equal blocks of the batch
   (each device's share where the layout splits the batch over `shards` devices), the results
   put back in order. cuDNN sizes a packed call's work for every row's `max_documents` sequences
-  of S tokens: a row at a time per device, that is one row's."""
+  of S tokens: a row at a time per device, that is one row's. The calls are unrolled: a loop
+  would make the host wait for the device at every iteration (XLA's loop condition)."""
   batch = arrays_B[0].shape[0]
   if batch % shards or batch == shards:
     return run(*arrays_B)
   steps = batch // shards
-  split = lambda x: x.reshape(shards, steps, *x.shape[1:]).swapaxes(0, 1)
-  joined = lambda y: y.swapaxes(0, 1).reshape(batch, *y.shape[2:])
-  return jax.tree.map(joined, jax.lax.map(lambda xs: run(*xs), tuple(map(split, arrays_B))))
+  blocks = [x.reshape(shards, steps, *x.shape[1:]) for x in arrays_B]
+  results = [run(*(x[:, i] for x in blocks)) for i in range(steps)]
+  return jax.tree.map(lambda *ys: jnp.stack(ys, axis=1).reshape(batch, *ys[0].shape[1:]),
+                      *results)
 
 
 def _packed_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS, *, scale, window, max_documents):

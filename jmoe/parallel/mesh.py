@@ -265,6 +265,12 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
 
 
+def in_stages() -> bool:
+  """Whether the code runs inside the pipeline's stages (vmapped over them)."""
+  layout = active_layout()
+  return layout is not None and layout.inside
+
+
 def split_count(axes: Sequence[str | None], shape: Sequence[int], dim: int = 0) -> int:
   """Into how many parts the active layout splits dimension `dim` of an activation of logical
   `axes` and `shape` (1 outside `Layout.active()`)."""
