@@ -282,3 +282,19 @@ def test_benchmark_peer_choices_keep_their_fields_apart():
   assert titan["peer_torchtitan"] == "p" and titan["vs_peer_torchtitan"] == 2.0
   assert titan["peer_torchtitan_compile"] == "per block" and titan["peer_torchtitan_params"] == 7
   assert not set(titan) & set(old)
+
+
+def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
+  target = tmp_path / "saves"
+  result = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(target),
+                           "--gib", "0.01", "--file-mib", "64,1", "--repeats", "1"],
+                          capture_output=True, text=True, timeout=300, env=command_env())
+  assert result.returncode == 0, result.stderr
+  lines = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [r["file_mib"] for r in lines] == [64, 1]
+  assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
+             for r in lines), lines
+  assert not target.exists()
+  refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=120, env=command_env())
+  assert refused.returncode == 2 and "exists" in refused.stderr
