@@ -22,7 +22,8 @@ fields `peer`, `peer_step_ms`, ..., `vs_peer`), `--peer torchtitan` torchtitan's
 runs the training command's own loop (jmoe.train's `Trainer`: the data pipeline, metrics, health
 checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir and adds its
 tokens/s, counted over the whole run (saves and the last save's wait included), beside the bare
-step's. `--record FILE` appends the result to FILE as one JSON line.
+step's; and the bare step once more on the loop's last state (`loop_end_bare_step_ms`: a step's
+time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps. `--record FILE` appends the result to FILE as one JSON line.
 """
 
 from __future__ import annotations
@@ -91,7 +92,10 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
 def loop_figures(config, steps: int, warmup: int) -> dict:
   """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
   ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save
-  (and, apart, up to the end of the last step)."""
+  (and, apart, up to the end of the last step). Then the bare step again, timed as the bench
+  times it but on the loop's last state and a batch of its data: a step's time changes as the
+  model trains (the routing's balance), so this, not the bench's first steps, is what the loop
+  itself adds to."""
   import dataclasses
   import tempfile
   import jax
@@ -110,6 +114,16 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
       trainer.checkpointer.wait()
       seconds = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
+      state, batch = trainer.state, trainer.data.next_batch()
+      for _ in range(warmup):
+        state, _ = trainer._step_fn(state, batch)
+      jax.block_until_ready(state)
+      t1 = time.perf_counter()
+      for _ in range(max(warmup, 5)):
+        state, _ = trainer._step_fn(state, batch)
+      jax.block_until_ready(state)
+      bare_s = (time.perf_counter() - t1) / max(warmup, 5)
+      trainer.state = state
   tokens = config.train.batch_size * config.data.seq_len * steps
   intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
   return {"loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
@@ -119,7 +133,10 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
           "loop_tokens_per_s_steps": round(tokens / stepped),
           "loop_last_write_s": round(seconds - stepped, 1),
           "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
-          if intervals else None}
+          if intervals else None,
+          "loop_end_bare_step_ms": round(bare_s * 1e3, 2),
+          "loop_end_bare_tokens_per_s": round(config.train.batch_size * config.data.seq_len
+                                              / bare_s)}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
@@ -362,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
       record["loop_vs_step"] = round(record["loop_tokens_per_s"] / (tokens_per_s * devices), 3)
       record["loop_steps_vs_step"] = round(
           record["loop_tokens_per_s_steps"] / (tokens_per_s * devices), 3)
+      record["loop_steps_vs_end_step"] = round(
+          record["loop_tokens_per_s_steps"] / record["loop_end_bare_tokens_per_s"], 3)
     print(json.dumps(record), flush=True)
     if args.record:
       append_record(args.record, record)

@@ -275,6 +275,47 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
   assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]
 
 
+def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
+  """A save that training runs beside (copied on the devices, written in the background) writes
+  through TensorStore pools of `write_threads` threads each; one that training waits for (no
+  room for the copy) through TensorStore's own; both read back whole. The default leaves two of
+  the host's cores to training."""
+  import orbax.checkpoint as ocp
+  from jmoe.checkpoint import manager, writer
+  pools = []
+  parent = ocp.type_handlers.ArrayHandler.serialize
+
+  async def seen(self, values, infos, args=None):
+    pools.extend({k: v.get("limit") for k, v in info.ts_context.spec.to_json().items()
+                  if k.endswith("_concurrency")} for info in infos)
+    return await parent(self, values, infos, args)
+
+  monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "serialize", seen)
+  roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
+  real_copy = manager.device_copy
+  values = {f"w{i}": np.full((8, 64), i, np.float32) for i in range(3)}
+  state = jax.tree.map(jax.numpy.asarray, values)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  checkpointer = Checkpointer(tmp_path, keep=2, write_threads=3)
+  for step, copy in ((1, lambda tree: real_copy(tree, roomy)), (2, lambda tree: None)):
+    monkeypatch.setattr(manager, "device_copy", copy)
+    pools.clear()
+    checkpointer.save(step, state)
+    assert (checkpointer._thread is not None) == (step == 1)  # (beside training, or waited on)
+    checkpointer.wait()
+    want = ({"data_copy_concurrency": 3, "file_io_concurrency": 3} if step == 1 else
+            {"file_io_concurrency": 128})  # (Orbax's setting; data copies: one per core)
+    assert pools == [want] * len(values), pools
+    restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
+    for name, array in values.items():
+      np.testing.assert_array_equal(restored[name], array)
+  checkpointer.close()
+  for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (None, 1)):
+    monkeypatch.setattr(writer.os, "cpu_count", lambda: cores)
+    assert writer.write_threads(0) == threads
+  assert writer.write_threads(5) == 5 and writer.write_threads(None) is None
+
+
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):
   env = command_env(2)
 

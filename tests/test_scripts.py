@@ -61,6 +61,8 @@ def test_benchmark_prints_its_figures(tmp_path):
   # jmoe.train's loop after 3 warm-up steps: a checkpoint at step 4 and the last at step 6
   assert record["loop_steps"] == 3 and record["loop_checkpoints"] == 2
   assert record["loop_tokens_per_s"] > 0 and record["loop_vs_step"] > 0
+  # the bare step again on the loop's last state, and the loop's steps against it
+  assert record["loop_end_bare_step_ms"] > 0 and record["loop_steps_vs_end_step"] > 0
 
 
 def test_conversion_memory_measures_both_commands(tmp_path):

@@ -27,7 +27,6 @@ order.
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import logging
 import os
@@ -45,6 +44,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.checkpoint import pinned
+from jmoe.checkpoint.writer import use_array_writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_tree,
                                   require_complete, unfinished_saves)
 from jmoe.config import ConfigError
@@ -78,26 +78,6 @@ def part_save_args(tree: Any) -> Any:
     return leaf.replace(ocp.SaveArgs(shard_axes=tuple(range(lead))))
 
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def use_array_writer() -> None:
-  """Sets how Orbax writes a jax.Array that has replicas: each process holding one writes a share
-  (`use_replica_parallel`) only when there are several processes. Within one process the shares
-  would only cost a compiled slice of every replicated array at the first save (Orbax's default
-  shares everywhere but on a platform named "gpu" or "cuda" in JAX_PLATFORMS)."""
-  _register_array_writer(jax.process_count() > 1)
-
-
-@functools.cache
-def _register_array_writer(shared: bool) -> None:
-  absl_log = logging.getLogger("absl")
-  level = absl_log.level
-  absl_log.setLevel(logging.ERROR)  # (Orbax warns that its own writer is replaced)
-  try:
-    ocp.type_handlers.register_type_handler(
-        jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=shared), override=True)
-  finally:
-    absl_log.setLevel(level)
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -150,9 +130,11 @@ def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory
 
 class Checkpointer:
 
-  def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True):
+  def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
+               write_threads: int = 0):
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()
+    self._write_threads = write_threads  # for the writes beside training (0: writer.py's choice)
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -207,6 +189,7 @@ class Checkpointer:
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there.
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None
+    use_array_writer(self._write_threads if copy is not None else None)  # (all cores if waited on)
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else

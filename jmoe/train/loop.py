@@ -94,7 +94,8 @@ class Trainer:
              layout.mesh.devices.size, jax.default_backend(), layout.describe())
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
-                                     async_save=config.checkpoint.async_save)
+                                     async_save=config.checkpoint.async_save,
+                                     write_threads=config.checkpoint.write_threads)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
       self._record = run_record(config, self.state)
