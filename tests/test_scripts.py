@@ -286,6 +286,26 @@ def test_benchmark_peer_choices_keep_their_fields_apart():
   assert not set(titan) & set(old)
 
 
+def test_save_cost_times_the_steps_beside_each_kind_of_save(tmp_path):
+  target = tmp_path / "cost"
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "scripts" / "save_cost.py"), "--config", "configs/tiny_moe.py",
+       "--dir", str(target), "--variants", "default,nc-2", "--steps", "6",
+       "--config.train.batch_size=4", "--config.data.seq_len=32", "--config.model.num_layers=2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=command_env(1))
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+  assert [line["variant"] for line in lines[:-1]] == ["default", "nc-2"]
+  assert lines[0]["write_threads"] is None and lines[0]["compressed"]
+  assert lines[1]["write_threads"] == 2 and not lines[1]["compressed"]
+  assert all(line["write_s"] > 0 and line["on_disk_gib"] >= 0 for line in lines[:-1])
+  assert lines[-1]["no_save"][0] == 6 and not target.exists()
+  refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_cost.py"), "--dir",
+                            str(tmp_path), "--variants", "seven"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+  assert refused.returncode == 2 and "exists" in refused.stderr and tmp_path.exists()
+
+
 def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   target = tmp_path / "saves"
   result = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(target),

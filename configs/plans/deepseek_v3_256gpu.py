@@ -25,12 +25,13 @@ Adam without weight decay, no gradient clipping, mock data). Read here as:
 - no multi-token prediction module (`model.mtp_depth=0`): AutoModel's DeepSeek-V3, like
   transformers', has none (an assumption from the model code, not stated in the table).
 The schedule is the published one, interleaved 1F1B (`pipeline_schedule=interleaved`): the
-estimate fits an H200 at 51.9 GiB (GPipe: 88.7, docs/MEMORY.md). XLA's figure on 256 mocked H200s
-(201.8 GiB under GPipe with XLA's attention) was taken before jmoe stopped replicating a
-micro-batch its stage x FSDP devices do not divide (the cause of that gap); it is to be taken
-again.
+estimate fits an H200 at 51.9 GiB (GPipe: 88.7, docs/MEMORY.md); XLA's figure, compiled for 256
+mocked H200s with cuDNN's attention (2026-12-03), is 64.7 GiB (before jmoe stopped replicating
+a micro-batch its stage x FSDP devices do not divide: 201.8 under GPipe with XLA's attention).
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_256gpu.py --devices 256
+  python scripts/estimate_memory.py --config configs/plans/deepseek_v3_256gpu.py --compare \
+      --mock-gpus 256   # on one GPU
   python scripts/comm_volume.py --config configs/plans/deepseek_v3_256gpu.py --devices 256
 """
 

@@ -20,7 +20,8 @@ without weight decay, mock data). Read here as:
 - `train.remat=full`; bf16 parameters, moments and compute (the published rows are "BF16"; the
   dtypes of the optimizer's state are an assumption, as for configs/plans/deepseek_v3_256gpu.py).
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
-The schedule is the published one, interleaved 1F1B: the estimate fits an H200 at 72.4 GiB.
+The schedule is the published one, interleaved 1F1B: the estimate fits an H200 at 72.4 GiB; XLA,
+compiling for 256 mocked H200s (`--compare --mock-gpus 256`, 2026-12-03), at 79.7 GiB.
 Under GPipe it does not (201.3 GiB, docs/MEMORY.md: circular GPipe keeps each iteration's layer
 weights for the backward pass).
 
