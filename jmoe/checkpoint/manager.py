@@ -44,9 +44,9 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.checkpoint import pinned
-from jmoe.checkpoint.writer import use_array_writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_tree,
                                   require_complete, unfinished_saves)
+from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
 from jmoe.ops.params import LAYER_AXES
