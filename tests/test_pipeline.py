@@ -78,6 +78,32 @@ def test_stages_match_single_device(name, schedule, reference):
   assert_matches(gradients(config_for(parallel), jax.devices()), reference)
 
 
+@pytest.mark.parametrize("name, schedule, batch", [
+    ("pp2_ep4", "gpipe", (24, 6)), ("pp2_fsdp4", "1f1b", (32, 4)),
+    ("pp2_repeats2_fsdp2_tp2", "interleaved", (24, 6))])
+def test_the_batch_reaches_the_stages_without_being_gathered_whole(name, schedule, batch, capfd):
+  """Cutting the batch (sequences split over the stages and their devices) into the stages'
+  micro-batches, and the stack's output and input gradient back, compile to collectives XLA's
+  partitioner plans: it once fell back to gathering the whole batch onto every device ("involuntary
+  full rematerialization", 896 GiB a GPU in Megatron's PP 16 plan), which it says on stderr."""
+  parallel = (dict(pipeline=2, dense=dict(data=1, fsdp=4), expert=dict(data=1, expert=4))
+              if name == "pp2_fsdp4" else LAYOUTS[name])
+  config = config_for(dict(parallel, pipeline_schedule=schedule), batch_size=batch[0],
+                      micro_batch_size=batch[1])
+  layout = make_layout(config.parallel, jax.devices())
+  spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
+  placed = lambda a, s: jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), a, s)
+  params = placed(spec.abstract.params, spec.shardings.params)
+  rest = placed(spec.abstract.rest, spec.shardings.rest)
+  batch = jax.device_put(first_batches(config)[0], layout.batch)
+  capfd.readouterr()
+  with layout.active():
+    jax.jit(make_gradients(spec.graphdef, config)).lower(params, rest, batch, None).compile()
+  err = capfd.readouterr().err
+  assert "Involuntary full rematerialization" not in err, err[-2000:]
+
+
 def assert_matches(result, reference):
   """Losses to 1e-5, expert loads (per layer and expert, the mean over micro-batches) to 1e-6,
   every gradient to 1e-4 relative (absolute: 1e-5 of the largest)."""

@@ -30,7 +30,9 @@ bf16 mixed precision with the distributed optimizer, sequence parallelism, 3 den
 The schedule is the published one, 1F1B: the estimate fits an H200 at 59.9 GiB (GPipe: 96.2,
 docs/MEMORY.md), but XLA's compile for 1,024 mocked H200s (`--compare --mock-gpus 1024`,
 2026-12-03) needs 965.9 GiB: it replicates the stages' copies of the 128 micro-batches when it
-cuts the batch into them (docs/MEMORY.md, "the three rows on mocked H200s"). Not runnable yet.
+cuts the batch into them (docs/MEMORY.md, "the three rows on mocked H200s"). jmoe now cuts it in
+two moves that XLA plans as collectives (tests/test_pipeline.py); the mocked compile is to be
+taken again.
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024
   python scripts/comm_volume.py --config configs/plans/deepseek_v3_megatron_pp16.py --devices 1024

@@ -69,7 +69,6 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
               first_layer=first_layer, unroll=unroll, axes=axes)
   S, R, M = st.S, st.R, st.M
   sched = Schedule(S, R, M)
-  batch = x_BSD.shape[0]
   x_MBSD = st.by_micro(x_BSD)
   stage_state = st.stage_state(st.state)
   is_first, is_last = st.stage_ids == 0, st.stage_ids == S - 1
@@ -111,6 +110,5 @@ def run_pipeline(stack: nnx.Module, layout: Layout, x_BSD: jax.Array, positions_
   stats_SR = st.zero_stats(stage_state, x_S)
   (_, _, out_SM, stats_SR), _ = jax.lax.scan(
       iteration, (x_S, circular_SM, out_SM, stats_SR), jnp.arange(sched.iterations))
-  out_M = out_SM[S - 1]
-  y_BSD = out_M.reshape(batch, *out_M.shape[2:])
+  y_BSD = st.from_micro(out_SM[S - 1])
   return constrain(y_BSD, axes), st.stats_by_layer(stats_SR)

@@ -152,6 +152,6 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
   (_, _, _, dx_SM, stats_SR, d_stage, loss, aux, d_tail), _ = jax.lax.scan(
       tick, carry, jnp.arange(sched.iterations))
   stats_L = st.stats_by_layer(stats_SR)
-  dx_BSD = constrain(dx_SM[0].reshape(x_BSD.shape), axes)
+  dx_BSD = constrain(st.from_micro(dx_SM[0]), axes)
   return (loss + balance(stats_L), aux, stats_L, from_stages(d_stage)[0], d_tail,
           dx_BSD.astype(x_BSD.dtype))
