@@ -23,7 +23,8 @@ runs the training command's own loop (jmoe.train's `Trainer`: the data pipeline,
 checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir and adds its
 tokens/s, counted over the whole run (saves and the last save's wait included), beside the bare
 step's; and the bare step once more on the loop's last state (`loop_end_bare_step_ms`: a step's
-time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps. `--record FILE` appends the result to FILE as one JSON line.
+time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps.
+`--record FILE` appends the result to FILE as one JSON line.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
       records = trainer.train(steps)
       jax.block_until_ready(trainer.state)
       stepped = time.perf_counter() - t0
-      trainer.save()  # the run's last checkpoint, as the command ends with
+      trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
       trainer.checkpointer.wait()
       seconds = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())

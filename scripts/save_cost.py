@@ -101,9 +101,10 @@ def main(argv=None) -> int:
       compress = not variant.startswith("nc-")
       ocp.PyTreeCheckpointHandler = lambda **kw: handler(use_compression=compress, **kw)
       trainer.checkpointer.close()
-      trainer.checkpointer = manager.Checkpointer(args.dir / f"v_{variant}", keep=1)
-      writer.use_array_writer(threads)  # this variant's writer for every save ...
-      trainer.checkpointer._write_threads = threads  # ... beside training too
+      # (the Checkpointer registers the writer at each save: this variant's bound for its
+      # background writes, None for TensorStore's own)
+      trainer.checkpointer = manager.Checkpointer(args.dir / f"v_{variant}", keep=1,
+                                                  write_threads=threads)
       trainer._saved = None
       trainer.train(10)
       jax.block_until_ready(trainer.state)

@@ -276,18 +276,20 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
 
 
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
-  """A save that training runs beside (copied on the devices, written in the background) writes
-  through TensorStore pools of `write_threads` threads each; one that training waits for (no
-  room for the copy) through TensorStore's own; both read back whole. The default leaves two of
-  the host's cores to training."""
+  """A save written in the background (training goes on beside it: copied on the devices first,
+  or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
+  one context for all its arrays; one that training waits for (`waited`, or a Checkpointer
+  without async saves) through TensorStore's own; all read back whole. The default leaves two of
+  the cores this process may use to training."""
   import orbax.checkpoint as ocp
   from jmoe.checkpoint import manager, writer
-  pools = []
+  pools, contexts = [], set()
   parent = ocp.type_handlers.ArrayHandler.serialize
 
   async def seen(self, values, infos, args=None):
     pools.extend({k: v.get("limit") for k, v in info.ts_context.spec.to_json().items()
                   if k.endswith("_concurrency")} for info in infos)
+    contexts.update(id(info.ts_context) for info in infos)
     return await parent(self, values, infos, args)
 
   monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "serialize", seen)
@@ -296,24 +298,33 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   values = {f"w{i}": np.full((8, 64), i, np.float32) for i in range(3)}
   state = jax.tree.map(jax.numpy.asarray, values)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
-  checkpointer = Checkpointer(tmp_path, keep=2, write_threads=3)
-  for step, copy in ((1, lambda tree: real_copy(tree, roomy)), (2, lambda tree: None)):
-    monkeypatch.setattr(manager, "device_copy", copy)
+  bounded = {"data_copy_concurrency": 3, "file_io_concurrency": 3}
+  own = {"file_io_concurrency": 128}  # (Orbax's setting; data copies: one thread per core)
+  in_background = Checkpointer(tmp_path / "a", keep=3, write_threads=3)
+  in_foreground = Checkpointer(tmp_path / "f", keep=3, async_save=False, write_threads=3)
+  cases = [(in_background, 1, real_copy, False, True, bounded),  # (copied on the devices)
+           (in_background, 2, None, False, False, bounded),  # (no room: Orbax's own thread)
+           (in_background, 3, real_copy, True, True, own),  # (the run's last save)
+           (in_foreground, 1, real_copy, False, False, own)]
+  for checkpointer, step, copy, waited, threaded, want in cases:
+    monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
+                        (lambda tree: None))
     pools.clear()
-    checkpointer.save(step, state)
-    assert (checkpointer._thread is not None) == (step == 1)  # (beside training, or waited on)
+    contexts.clear()
+    checkpointer.save(step, state, waited=waited)
+    assert (checkpointer._thread is not None) == threaded
     checkpointer.wait()
-    want = ({"data_copy_concurrency": 3, "file_io_concurrency": 3} if step == 1 else
-            {"file_io_concurrency": 128})  # (Orbax's setting; data copies: one per core)
-    assert pools == [want] * len(values), pools
+    assert pools == [want] * len(values) and len(contexts) == 1, (step, pools)
     restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
     for name, array in values.items():
       np.testing.assert_array_equal(restored[name], array)
-  checkpointer.close()
-  for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (None, 1)):
-    monkeypatch.setattr(writer.os, "cpu_count", lambda: cores)
+  in_background.close()
+  in_foreground.close()
+  for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (1, 1)):
+    monkeypatch.setattr(writer, "host_cores", lambda: cores)
     assert writer.write_threads(0) == threads
   assert writer.write_threads(5) == 5 and writer.write_threads(None) is None
+  assert writer.host_cores() >= 1
 
 
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):

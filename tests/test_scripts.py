@@ -300,10 +300,12 @@ def test_save_cost_times_the_steps_beside_each_kind_of_save(tmp_path):
   assert lines[1]["write_threads"] == 2 and not lines[1]["compressed"]
   assert all(line["write_s"] > 0 and line["on_disk_gib"] >= 0 for line in lines[:-1])
   assert lines[-1]["no_save"][0] == 6 and not target.exists()
-  refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_cost.py"), "--dir",
-                            str(tmp_path), "--variants", "seven"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=60)
-  assert refused.returncode == 2 and "exists" in refused.stderr and tmp_path.exists()
+  for argument, why in ((tmp_path, "exists"), (target, "'seven' is not default")):
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_cost.py"), "--dir",
+                              str(argument), "--variants", "7,seven"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and why in refused.stderr, refused.stderr
+  assert tmp_path.exists() and not target.exists()
 
 
 def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):

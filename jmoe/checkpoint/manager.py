@@ -131,10 +131,10 @@ def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory
 class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
-               write_threads: int = 0):
+               write_threads: int | None = 0):
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()
-    self._write_threads = write_threads  # for the writes beside training (0: writer.py's choice)
+    self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -175,11 +175,13 @@ class Checkpointer:
       self._reserving = pinned.reserve_in_thread(state)
 
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
-           run: dict[str, Any] | None = None) -> None:
+           run: dict[str, Any] | None = None, *, waited: bool = False) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
     `step`; returns before the write ends (with async saves, before the arrays reach the host
     where the devices have room for a copy of them). A step that is already saved is left as it
-    is. Raises a ConfigError if the previous save failed, or this one in the foreground."""
+    is. `waited`: the caller waits for this save (a run's last), so its write takes every core;
+    else a write in the background is held to `write_threads` (jmoe/checkpoint/writer.py).
+    Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
     self.wait()
@@ -189,7 +191,7 @@ class Checkpointer:
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there.
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None
-    use_array_writer(self._write_threads if copy is not None else None)  # (all cores if waited on)
+    use_array_writer(self._write_threads if self._async and not waited else None)
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else

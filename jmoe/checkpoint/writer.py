@@ -11,9 +11,10 @@ while a save was written with TensorStore's defaults (6.3 s), 11% with both pool
 threads (6.8 s), 4% with 7 (8.0 s), 2% with 4 (15.3 s): 1.2, 0.7, 0.3 and 0.3 s of training lost
 per save. Without compression the write is shorter but costs more (3.9 s and 57% slower steps
 with TensorStore's defaults; 3.1 s and 22% with 7 threads).
-A save that training runs beside takes `checkpoint.write_threads` threads per pool (by default
-7 there: the two pools together leave two cores); one that nothing runs beside (a foreground
-save, which training waits for) takes TensorStore's own.
+A save written in the background (`checkpoint.async_save`: training goes on beside it, whether the
+devices copy the state first or not) takes `checkpoint.write_threads` threads per pool (by
+default 7 there: the two pools together leave two cores); one that training waits for (a
+foreground save, the run's last, the one on a stop signal) takes TensorStore's own.
 """
 
 from __future__ import annotations
@@ -25,13 +26,21 @@ import jax
 import orbax.checkpoint as ocp
 
 
+def host_cores() -> int:
+  """The cores this process may run on (a container's or `taskset`'s limit, not the host's)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except (AttributeError, OSError):  # (no affinity on this platform)
+    return os.cpu_count() or 1
+
+
 def write_threads(setting: int | None) -> int | None:
   """Threads for each of TensorStore's two pools: None for TensorStore's own (a write that
   nothing runs beside), `setting` when above 0, else half of the cores less one (the pools
   together leave two), at least 1."""
   if setting is None or setting > 0:
     return setting
-  return max(1, ((os.cpu_count() or 1) - 2) // 2)
+  return max(1, (host_cores() - 2) // 2)
 
 
 def use_array_writer(threads: int | None = None) -> None:
@@ -45,8 +54,9 @@ def use_array_writer(threads: int | None = None) -> None:
 
 class ArrayWriter(ocp.type_handlers.ArrayHandler):
   """Orbax's writer of jax.Arrays with each of TensorStore's pools held to `threads` (None:
-  TensorStore's own). A save's arrays share one TensorStore context (so one OCDBT database per
-  process and step, as with Orbax's own writer)."""
+  TensorStore's own). The jax.Arrays of a save share one TensorStore context (so one OCDBT
+  database per process and step, as with Orbax's own writer): jmoe's train states hold
+  jax.Arrays only, and its saves run one at a time."""
 
   def __init__(self, *, threads: int | None, **kwargs):
     super().__init__(**kwargs)
@@ -55,11 +65,12 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
 
   async def serialize(self, values, infos, args=None):
     for info in infos if self.threads is not None else ():
-      if self._context is None or self._context[0] is not info.ts_context:
-        self._context = (info.ts_context, ocp.type_handlers.get_ts_context(
+      context = self._context
+      if context is None or context[0] is not info.ts_context:
+        context = self._context = (info.ts_context, ocp.type_handlers.get_ts_context(
             use_ocdbt=bool(info.is_ocdbt_checkpoint), file_io_concurrency_limit=self.threads,
             data_copy_concurrency_limit=self.threads))
-      info.ts_context = self._context[1]
+      info.ts_context = context[1]
     return await super().serialize(values, infos, args)
 
 

@@ -339,9 +339,9 @@ class CheckpointConfig:
   every: int = 0  # 0: only the final save (and one on SIGTERM/SIGINT)
   keep: int = 3  # the newest this-many checkpoints are kept
   async_save: bool = True  # write in the background while training goes on
-  # Threads for each of TensorStore's two pools (compression, file writes) in a save written
-  # beside training; 0: half the host's cores less one, so that training keeps two of them
-  # (jmoe/checkpoint/writer.py). A save that training waits for takes every core.
+  # Threads for each of TensorStore's two pools (compression, file writes) in a save written in
+  # the background; 0: half the process's cores less one, so that training keeps two of them
+  # (jmoe/checkpoint/writer.py). A save that training waits for (the last) takes every core.
   write_threads: int = 0
   # A model checkpoint or training workdir whose model variables (not optimizer state or step)
   # start this run; used only when the workdir has no checkpoint of its own yet.

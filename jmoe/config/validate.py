@@ -125,7 +125,7 @@ RANGES = {
     "precision.fp8_amax_history": Range("[1, INT]"),
     "checkpoint.every": Range("[0, INT]", "0: only the final save"),
     "checkpoint.keep": Range("[1, INT]"),
-    "checkpoint.write_threads": Range("[0, INT]", "0: half the host's cores less one"),
+    "checkpoint.write_threads": Range("[0, INT]", "0: half the process's cores less one"),
     "lora.rank": Range("[0, INT]", "0: no adapters"), "lora.alpha": Range("(0, inf)"),
 }
 

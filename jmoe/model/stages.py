@@ -156,7 +156,8 @@ class Stages:
     over the stages and their devices) and the stages' copies (each micro-batch whole on every
     stage). From the batch the devices of a stage trade sequences (an all-to-all), then the
     stages gather; asked for in one move, XLA's partitioner gathered the whole batch onto every
-    device ("involuntary full rematerialization"), 896 GiB a GPU in Megatron's PP 16 plan."""
+    device ("involuntary full rematerialization"), 896 GiB a GPU in Megatron's PP 16 plan.
+    Where the stages do not divide M the cut stays one move (and XLA may gather)."""
     if self.M % self.S or self.S == 1:
       return a_M
     spec = self.inner.activation_spec((None, *self.axes[:a_M.ndim - 1]), a_M.shape)

@@ -181,7 +181,7 @@ class Trainer:
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
         self.save()
       if done < end and signals is not None and signals.stop_requested(done):
-        self.save()
+        self.save(waited=True)
         self.checkpointer.wait()
         raise Interrupted(done, signals.signum)
     return records
@@ -196,7 +196,7 @@ class Trainer:
     signals = StopSignals()
     with signals.installed():
       records = self.train(signals=signals)
-      self.save()
+      self.save(waited=True)
       self.checkpointer.wait()
     return records
 
@@ -207,9 +207,10 @@ class Trainer:
     with self.layout.active():
       return evaluation_loss(self._eval_fn, self.state, self.data.eval_batches())
 
-  def save(self) -> pathlib.Path:
+  def save(self, waited: bool = False) -> pathlib.Path:
     """A checkpoint of the current step (in the background with `checkpoint.async_save`), never
-    of non-finite parameters (`Diverged` then)."""
+    of non-finite parameters (`Diverged` then). `waited`: the caller waits for it (the run's last,
+    a stop signal's), so its write takes every core rather than `checkpoint.write_threads`."""
     if self._saved != self.step:
       self.health.check()
       if not all_finite(self.state.params):
@@ -217,7 +218,7 @@ class Trainer:
                        f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
                        f"{self.config.train.lr:g}) or train.grad_clip")
       self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state(),
-                             self._record)
+                             self._record, waited=waited)
       self._saved = self.step
     return self.checkpointer.directory / str(self.step)
 
