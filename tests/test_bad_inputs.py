@@ -1698,7 +1698,7 @@ from jmoe.train import preemption
 
 save, stop_requested = manager.Checkpointer.save, preemption.StopSignals.stop_requested
 
-def breaking_save(self, step, *args):
+def breaking_save(self, step, *args, **kwargs):
     """Before the save of step BREAK_AT: the checkpoints path replaced by a file, or made
     unwritable, once the saves before it are written."""
     if step == int(os.environ["BREAK_AT"]):
@@ -1711,7 +1711,7 @@ def breaking_save(self, step, *args):
         else:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory.write_text("in the way")
-    return save(self, step, *args)
+    return save(self, step, *args, **kwargs)
 
 def signalled(self, step):
     if step == int(os.environ.get("SIGNAL_AT", 0)):
