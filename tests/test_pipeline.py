@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+from jmoe.checkpoint.manager import with_shardings
 from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
 from jmoe.data import first_batches
 from jmoe.model.pipeline import Schedule, Slots, bubble_fraction
@@ -30,6 +31,7 @@ LAYOUTS = {  # name: parallel config
     "pp2_ep4": dict(pipeline=2, dense=dict(data=4), expert=dict(data=1, expert=4)),
     "pp2_tp2_ep2": dict(pipeline=2, dense=dict(data=2, tensor=2), expert=dict(data=2, expert=2)),
     "pp4_fsdp2": dict(pipeline=4, dense=dict(data=1, fsdp=2), expert=dict(data=2)),
+    "pp2_fsdp4": dict(pipeline=2, dense=dict(data=1, fsdp=4), expert=dict(data=1, expert=4)),
     "pp2_repeats2": dict(pipeline=2, pipeline_repeats=2, dense=dict(data=4),
                          expert=dict(data=2, expert=2)),
     "pp2_repeats2_fsdp2_tp2": dict(pipeline=2, pipeline_repeats=2,
@@ -86,16 +88,12 @@ def test_the_batch_reaches_the_stages_without_being_gathered_whole(name, schedul
   micro-batches, and the stack's output and input gradient back, compile to collectives XLA's
   partitioner plans: it once fell back to gathering the whole batch onto every device ("involuntary
   full rematerialization", 896 GiB a GPU in Megatron's PP 16 plan), which it says on stderr."""
-  parallel = (dict(pipeline=2, dense=dict(data=1, fsdp=4), expert=dict(data=1, expert=4))
-              if name == "pp2_fsdp4" else LAYOUTS[name])
-  config = config_for(dict(parallel, pipeline_schedule=schedule), batch_size=batch[0],
+  config = config_for(dict(LAYOUTS[name], pipeline_schedule=schedule), batch_size=batch[0],
                       micro_batch_size=batch[1])
   layout = make_layout(config.parallel, jax.devices())
   spec = state_spec(config, layout, make_optimizer(config.train, config.precision.moments))
-  placed = lambda a, s: jax.tree.map(
-      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), a, s)
-  params = placed(spec.abstract.params, spec.shardings.params)
-  rest = placed(spec.abstract.rest, spec.shardings.rest)
+  params = with_shardings(spec.abstract.params, spec.shardings.params)
+  rest = with_shardings(spec.abstract.rest, spec.shardings.rest)
   batch = jax.device_put(first_batches(config)[0], layout.batch)
   capfd.readouterr()
   with layout.active():

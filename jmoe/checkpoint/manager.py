@@ -133,7 +133,8 @@ class Checkpointer:
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
                write_threads: int | None = 0):
     self.directory = pathlib.Path(directory).absolute()
-    use_array_writer()
+    use_array_writer()  # (before Orbax's handlers are made: without it a later save's writer
+    # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
     self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
