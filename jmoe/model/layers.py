@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jmoe.ops.embedding import lookup
 from jmoe.ops.params import param
 
 
@@ -30,4 +31,4 @@ class Embed(nnx.Module):
                        kind="lookup")
 
   def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-    return jnp.take(self.table[...], tokens_BS, axis=0).astype(self.dtype)
+    return lookup(self.table[...], tokens_BS).astype(self.dtype)

@@ -10,6 +10,7 @@
   attention.py     attention kernels (cuDNN, XLA)
   max_logit.py     each attention head's largest logit, a block of queries at a time (QK-clip)
   activations.py   gated activations of the expert FFNs
+  embedding.py     the embedding lookup, its gradient summed by token before the scatter
   remat.py         rematerialisation policies by checkpoint name
   rows.py          row moves: groups of sorted rows, gathers with gather gradients, `run_if`
 Each registry here (`GEMM_BACKENDS`, `ATTENTION_KERNELS`, `GATED_ACTIVATIONS`, `REMAT_POLICIES`)
