@@ -100,15 +100,38 @@ def test_allgather_dispatch_sends_no_all_to_all():
   assert report["bytes_per_device"]["all-gather"] > 0
 
 
-def test_pipeline_stages_pass_activations():
+def test_pipeline_stages_pass_activations_and_slots_count_as_often_as_they_run():
   """PP 2: the stages hand their micro-batches on with collective-permutes; the exchange also
-  runs in the bubble's iterations (5 for 4 micro-batches), so above the factor."""
-  config = tiny("parallel.pipeline=2", "parallel.pipeline_schedule=gpipe",
-                "parallel.expert.expert=4", "model.num_layers=5",
-                "train.batch_size=16", "train.micro_batch_size=4")
-  report = communication(config, make_layout(config.parallel))
-  assert report["bytes_per_device"]["collective-permute"] > 0
-  assert 1.25 <= report["all_to_all_over_routed"] <= 2.0
+  runs in the bubble's iterations (5 for 4 micro-batches), so above the factor. Under 1F1B the
+  stages' exchanges sit in the loop's slot conditionals, counted as often as each slot runs (5
+  of the 6 ticks): the backward slot sends twice the forward slot's all-to-all bytes (it runs
+  the forward pass again, then its gradient's), so 1F1B's step sends about 1.5 x GPipe's (less the work outside the
+  loop; before, the conditionals counted apart and the step's bytes held none of them)."""
+  from jmoe.memory.traffic import compiled_texts, slot_shares
+  from jmoe.model.pipeline_1f1b import SLOTS
+  reports = {}
+  for schedule in ("gpipe", "1f1b"):
+    config = tiny("parallel.pipeline=2", f"parallel.pipeline_schedule={schedule}",
+                  "parallel.expert.expert=4", "model.num_layers=5", "train.remat=none",
+                  "train.batch_size=16", "train.micro_batch_size=4")
+    layout = make_layout(config.parallel)
+    optimized, partitioned = compiled_texts(config, layout)
+    reports[schedule] = collective_traffic(optimized, N, partitioned,
+                                           slot_shares(config, layout))
+    assert reports[schedule].every_step["collective-permute"] > 0
+    assert not any(reports[schedule].if_taken.values())
+  assert slot_shares(config, layout) == dict(zip(SLOTS, (5 / 6, 4 / 6, 5 / 6)))
+  routed = communication.__globals__["routed_bytes"](config, layout)
+  assert 1.25 <= reports["gpipe"].every_step["all-to-all"] / routed <= 2.0
+  once = {slot: collective_traffic(optimized, N, partitioned,
+                                   {s: float(s == slot) / 6 for s in SLOTS}).every_step
+          for slot in (*SLOTS, None)}  # each slot as if it ran in one tick, and none
+  forward, backward = (once[slot]["all-to-all"] - once[None]["all-to-all"]
+                       for slot in ("forward_slot", "backward_slot"))
+  # (less the few bytes of the routing's counts, which have no gradient to send back)
+  assert forward > 0 and backward == pytest.approx(2 * forward, rel=1e-3)
+  ratio = reports["1f1b"].every_step["all-to-all"] / reports["gpipe"].every_step["all-to-all"]
+  assert 1.3 <= ratio <= 1.6, ratio
 
 
 def test_pipeline_hands_on_one_micro_batch_per_stage_boundary():

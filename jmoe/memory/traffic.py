@@ -15,7 +15,8 @@ from each device:
 Collectives in a loop count once per trip. The all-to-all dispatcher's later rounds run in loops
 whose trip count depends on the routing: their bytes are reported apart, per round (one more
 round in every MoE layer, forward and backward), as are those in conditionals (per-expert
-blocks' overflow), as if taken.
+blocks' overflow), as if taken. The exception: the 1F1B and interleaved pipeline loop's slots,
+conditionals that run in a known share of the loop's ticks (`slot_shares`), count that often.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import jax
 import numpy as np
 
 from jmoe.config import Config
+from jmoe.model.pipeline_1f1b import SLOTS
+from jmoe.model.stages import Schedule
 from jmoe.parallel import Layout
 
 KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce", "collective-permute")
@@ -195,9 +198,13 @@ def trip_count(loop: Instruction, computations: dict[str, list[Instruction]]) ->
   return limits[0] if len(limits) == 1 else None
 
 
-def collective_traffic(hlo: str, num_devices: int, partitioned: str = "") -> Traffic:
+def collective_traffic(hlo: str, num_devices: int, partitioned: str = "",
+                       branch_share: dict[str, float] | None = None) -> Traffic:
   """The bytes per device of a compiled program's collectives (`hlo`: its optimized HLO text;
-  `partitioned`: the same program right after SPMD partitioning, for dtypes and kinds)."""
+  `partitioned`: the same program right after SPMD partitioning, for dtypes and kinds).
+  `branch_share`: for a conditional under a named scope of these (its op_name), the share of
+  the enclosing loop's trips in which it runs its branch: its collectives count in every step's
+  bytes that often; other conditionals' count apart, once, as if taken."""
   computations, entry = parse(hlo)
   facts = as_partitioned(partitioned) if partitioned else {}
   traffic = Traffic({k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS})
@@ -232,12 +239,36 @@ def collective_traffic(hlo: str, num_devices: int, partitioned: str = "") -> Tra
             else:
               visit(callee, times * trips, bucket)
           elif how == "branch":
-            visit(callee, times, traffic.if_taken)
+            share = scope_share(i, branch_share or {})
+            if share is None:
+              visit(callee, times, traffic.if_taken)
+            else:
+              visit(callee, times * share, bucket)
           elif i.op not in ("reduce", "sort", "scatter", "reduce-window", "select-and-scatter"):
             visit(callee, times, bucket)
 
   visit(entry, 1.0, traffic.every_step)
   return traffic
+
+
+def scope_share(i: Instruction, shares: dict[str, float]) -> float | None:
+  """The share of `shares` whose scope the instruction's op_name passes through, else None."""
+  op_name = re.search(r'op_name="([^"]*)"', i.rest)
+  scopes = op_name.group(1).split("/") if op_name else ()
+  return next((share for scope, share in shares.items() if scope in scopes), None)
+
+
+def slot_shares(config: Config, layout: Layout) -> dict[str, float]:
+  """Under the 1F1B and interleaved schedules, the share of the loop's ticks that run each slot
+  (jmoe/model/pipeline_1f1b.py): forward and backward R M + S - 1 each, the loss M (each
+  micro-batch once, as it leaves its last repeat); nothing under GPipe (no conditionals)."""
+  if layout.stages == 1 or config.parallel.schedule == "gpipe":
+    return {}
+  m = config.train.num_micro_batches
+  schedule = Schedule(layout.stages, config.parallel.pipeline_repeats, m,
+                      kind=config.parallel.schedule)
+  visits = schedule.repeats * m + schedule.stages - 1
+  return {slot: runs / schedule.iterations for slot, runs in zip(SLOTS, (visits, m, visits))}
 
 
 def compiled_texts(config: Config, layout: Layout) -> tuple[str, str]:
@@ -284,7 +315,8 @@ def communication(config: Config, layout: Layout) -> dict:
   """Compiles the config's train step on `layout` and reports its collectives' bytes per device
   (one JSON-ready dict; `all_to_all_over_routed` is None without expert parallelism)."""
   optimized, partitioned = compiled_texts(config, layout)
-  traffic = collective_traffic(optimized, layout.mesh.size, partitioned)
+  traffic = collective_traffic(optimized, layout.mesh.size, partitioned,
+                               slot_shares(config, layout))
   routed = routed_bytes(config, layout)
   return {
       "bytes_per_device": {k: round(v) for k, v in traffic.every_step.items()},

@@ -39,6 +39,9 @@ from jmoe.parallel import Layout, constrain
 # tail(params, h_BSD, m) -> (loss, aux): micro-batch m's share of the loss from the stack's output
 Tail = Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
+# The scopes of the three slots' conditionals (profiles and the communication report name them).
+SLOTS = ("forward_slot", "loss_slot", "backward_slot")
+
 
 def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
                             positions_BS: jax.Array, segment_ids_BS: jax.Array | None,
@@ -123,17 +126,20 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
   def tick(carry, t):
     (x_S, g_S, ring_SW, dx_SM, stats_SR, d_stage, loss, aux, d_tail) = carry
     # Slots no stage runs this tick are skipped (the predicates depend on t alone).
-    y_S, ring_SW, stats_SR = jax.lax.cond(
-        t < R * M + S - 1, forward, lambda c, t: (c[0], c[1], c[2]),
-        (x_S, ring_SW, stats_SR), t)
+    with jax.named_scope(SLOTS[0]):
+      y_S, ring_SW, stats_SR = jax.lax.cond(
+          t < R * M + S - 1, forward, lambda c, t: (c[0], c[1], c[2]),
+          (x_S, ring_SW, stats_SR), t)
     n_last = t - (S - 1)
     leaves = (n_last >= 0) & (n_last < R * M) & (visit(jnp.maximum(n_last, 0))[1] == R - 1)
     no_loss = lambda t, y_S: (jnp.zeros_like(loss), jax.tree.map(jnp.zeros_like, aux),
                               jax.tree.map(jnp.zeros_like, d_tail), jnp.zeros_like(y_S))
-    loss_t, aux_t, d_tail_t, dh_S = jax.lax.cond(leaves, loss_of_last, no_loss, t, y_S)
-    dx_S, dx_SM, d_stage = jax.lax.cond(
-        t >= R * S - 1, backward, lambda c, t, dh: (jnp.zeros_like(c[0]), c[2], c[3]),
-        (g_S, ring_SW, dx_SM, d_stage), t, dh_S)
+    with jax.named_scope(SLOTS[1]):
+      loss_t, aux_t, d_tail_t, dh_S = jax.lax.cond(leaves, loss_of_last, no_loss, t, y_S)
+    with jax.named_scope(SLOTS[2]):
+      dx_S, dx_SM, d_stage = jax.lax.cond(
+          t >= R * S - 1, backward, lambda c, t, dh: (jnp.zeros_like(c[0]), c[2], c[3]),
+          (g_S, ring_SW, dx_SM, d_stage), t, dh_S)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     return (layout.next_stage(y_S, wrap=R > 1), layout.previous_stage(dx_S, wrap=R > 1),
             ring_SW, dx_SM, stats_SR, d_stage, loss + loss_t, add(aux, aux_t),
