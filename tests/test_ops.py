@@ -93,39 +93,47 @@ def test_row_entries_take_their_gradient_without_a_scatter():
   assert "scatter" not in backward and "dot_general" in backward
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 1024])
-def test_the_embedding_gradient_sums_repeated_tokens_as_the_plain_lookup_does(chunk):
-  """`lookup`'s gradient equals `take`'s (float32) with most positions repeating a few tokens,
-  chunks that do and do not divide the sequence, and ids past the table dropped."""
-  from jmoe.ops.embedding import lookup
+@pytest.mark.parametrize("chunk,split", [(1, 1), (5, 1), (16, 1), (1024, 1), (1024, 2), (6, 4)])
+@pytest.mark.parametrize("shape", [(3, 36), (36,), (2, 3, 12)])
+def test_the_embedding_gradient_sums_repeated_tokens_as_the_plain_lookup_does(chunk, split, shape):
+  """The summed scatter equals `take`'s gradient (float32) with most positions repeating a few
+  tokens, chunks that do and do not divide the sequence (or its parts), tokens of any rank,
+  negative ids read from the end and ids past the table dropped; the lookup itself is `take`."""
+  from jmoe.ops.embedding import lookup, summed_scatter
   rng = np.random.default_rng(0)
-  ids = rng.integers(0, 6, (3, 37)).astype(np.int32)
-  ids[0, :5] = rng.integers(6, 50, 5)
-  ids[1, 3] = 50  # past the table: no gradient anywhere
+  ids = rng.integers(0, 6, shape).astype(np.int32).reshape(-1)
+  ids[:5] = rng.integers(6, 50, 5)
+  ids[7], ids[9] = 50, -1  # past the table: no gradient; -1: the last row
+  ids = ids.reshape(shape)
   table = jnp.asarray(rng.standard_normal((50, 8)), jnp.float32)
-  g = jnp.asarray(rng.standard_normal((3, 37, 8)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((*shape, 8)), jnp.float32)
   plain = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)[1](g)[0]
-  ours = jax.vjp(lambda t: lookup(t, jnp.asarray(ids), chunk), table)[1](g)[0]
+  ours = summed_scatter(g, jnp.asarray(ids), 50, jnp.float32, chunk, split)
   np.testing.assert_allclose(ours, plain, rtol=1e-6, atol=1e-5)
-  valid = ids < 50
-  np.testing.assert_array_equal(lookup(table, jnp.asarray(np.where(valid, ids, 0))),
-                                jnp.take(table, np.where(valid, ids, 0), axis=0))
+  assert float(jnp.abs(plain[49]).max()) > 0
+  bf16 = table.astype(jnp.bfloat16)
+  np.testing.assert_array_equal(lookup(bf16, jnp.asarray(ids), chunk, split),
+                                jnp.take(bf16, ids, axis=0))
 
 
 def test_the_embedding_gradient_of_a_16bit_table_is_summed_in_float32():
-  """About 1,700 positions of one token into a bfloat16 table: each chunk's sum is taken in
+  """About 1,700 positions of one token into the model's bfloat16 embedding: each chunk's sum is
+  taken in
   float32 and the few chunk sums added in bf16, a few roundings in all, where adding the rows one
   by one in bf16 (as a plain scatter-add into the table's dtype does) drifts far more."""
-  from jmoe.ops.embedding import lookup
+  from flax import nnx
+  from jmoe.model.layers import Embed
   rng = np.random.default_rng(1)
   ids = np.zeros((2, 1000), np.int32)
   ids[:, ::7] = rng.integers(1, 30, ids[:, ::7].shape)
   g = rng.standard_normal((2, 1000, 16)).astype(np.float32) + 0.5
   exact = np.zeros((30, 16))
   np.add.at(exact, ids.reshape(-1), g.reshape(-1, 16).astype(np.float64))
-  table = jnp.zeros((30, 16), jnp.bfloat16)
-  grad = jax.jit(lambda t, g: jax.vjp(lambda t: lookup(t, jnp.asarray(ids)), t)[1](g)[0])
-  ours = np.asarray(grad(table, jnp.asarray(g, jnp.bfloat16)), np.float64)
+  graphdef, state = nnx.split(Embed(30, 16, 0.02, param_dtype=jnp.bfloat16,
+                                    dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+  grad = jax.jit(lambda s, g: jax.vjp(lambda s: nnx.merge(graphdef, s)(jnp.asarray(ids)),
+                                      s)[1](g)[0])
+  ours = np.asarray(grad(state, jnp.asarray(g, jnp.bfloat16))["table"][...], np.float64)
   # inputs rounded to bf16 (2^-9 each, averaging out), then the chunk sums added in bf16 (2
   # chunks of 1024 per row, 2 rows: three roundings of the running sum): a few bf16 ulps
   np.testing.assert_allclose(ours, exact, rtol=2e-2, atol=0.05)
@@ -135,20 +143,22 @@ def test_the_embedding_gradient_of_a_16bit_table_is_summed_in_float32():
   assert abs(one_by_one - exact[0, 0]) > 10 * abs(ours[0, 0] - exact[0, 0])
 
 
-@pytest.mark.parametrize("table_split", [None, "data"])
-def test_the_embedding_gradient_stays_with_the_batch_split(table_split):
+@pytest.mark.parametrize("table_split,chunk", [(None, 64), ("data", 64), (None, 1024)])
+def test_the_embedding_gradient_stays_with_the_batch_split(table_split, chunk):
   """Under a batch split over 4 devices and the sequence over 2 (the table whole, or split by
-  vocabulary as FSDP splits it) the lookup's gradient is the unsplit one, and its compiled
-  backward communicates as the plain lookup's does: the chunks stay where their tokens are (a
-  first form, flattening them for the scatter, gathered the rows over the sequence's devices)."""
+  vocabulary as FSDP splits it; chunks shorter than a device's part of the sequence, or longer,
+  cut to it) the lookup's gradient is the unsplit one's, and its compiled backward communicates
+  as the plain lookup's does: the chunks stay where their tokens are (a first form, flattening
+  them for the scatter, gathered the rows over the sequence's devices, as did a chunk longer than
+  a device's part)."""
   import re
   from jax.sharding import NamedSharding, PartitionSpec as P
   from jmoe.ops.embedding import lookup
   mesh = jax.make_mesh((4, 2), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   rng = np.random.default_rng(2)
   ids = jnp.asarray(rng.integers(0, 20, (8, 256)).astype(np.int32))
-  table = jnp.asarray(rng.standard_normal((40, 64)), jnp.float32)
-  g = jnp.asarray(rng.standard_normal((8, 256, 64)), jnp.float32)
+  table = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal((8, 256, 64)), jnp.bfloat16)
   args = (jax.device_put(table, NamedSharding(mesh, P(table_split))),
           jax.device_put(ids, NamedSharding(mesh, P("data", "seq"))),
           jax.device_put(g, NamedSharding(mesh, P("data", "seq", None))))
@@ -160,7 +170,9 @@ def test_the_embedding_gradient_stays_with_the_batch_split(table_split):
                      r"reduce-scatter)\(", compiled.as_text())
     return compiled(*args), sorted(ops)
 
-  ours, moved = collectives(lambda t, i: lookup(t, i, 64))
-  plain, plain_moved = collectives(lambda t, i: jnp.take(t, i, axis=0))
-  np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
+  ours, moved = collectives(lambda t, i: lookup(t, i, chunk, sequence_split=2))
+  _, plain_moved = collectives(lambda t, i: jnp.take(t, i, axis=0))
+  exact = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table.astype(jnp.float32))[1](
+      g.astype(jnp.float32))[0]
+  np.testing.assert_allclose(np.asarray(ours, np.float32), exact, rtol=2e-2, atol=0.1)
   assert moved == plain_moved

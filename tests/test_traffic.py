@@ -105,8 +105,9 @@ def test_pipeline_stages_pass_activations_and_slots_count_as_often_as_they_run()
   runs in the bubble's iterations (5 for 4 micro-batches), so above the factor. Under 1F1B the
   stages' exchanges sit in the loop's slot conditionals, counted as often as each slot runs (5
   of the 6 ticks): the backward slot sends twice the forward slot's all-to-all bytes (it runs
-  the forward pass again, then its gradient's), so 1F1B's step sends about 1.5 x GPipe's (less the work outside the
-  loop; before, the conditionals counted apart and the step's bytes held none of them)."""
+  the forward pass again, then its gradient's), so 1F1B's step sends up to 1.5 x GPipe's (1.39
+  here: GPipe's visits send a little more each; before, the conditionals counted apart and the
+  step's bytes held none of them)."""
   from jmoe.memory.traffic import compiled_texts, slot_shares
   from jmoe.model.pipeline_1f1b import SLOTS
   reports = {}
@@ -132,6 +133,29 @@ def test_pipeline_stages_pass_activations_and_slots_count_as_often_as_they_run()
   assert forward > 0 and backward == pytest.approx(2 * forward, rel=1e-3)
   ratio = reports["1f1b"].every_step["all-to-all"] / reports["gpipe"].every_step["all-to-all"]
   assert 1.3 <= ratio <= 1.6, ratio
+
+
+def test_a_slot_counts_as_often_as_it_runs_and_what_it_nests_apart():
+  """A conditional made under a slot's scope counts its collectives in the step's bytes for the
+  share of the loop's trips given (4 of 6 here: a scalar all-reduce, 7 bytes, 4 times), and a
+  conditional nested in its branch counts apart, as if taken, not at the slot's share."""
+  mesh = jax.make_mesh((N,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(jnp.ones((8, 128)), NamedSharding(mesh, P("d")))
+
+  def program(x):
+    def tick(c, t):
+      def slot(c):
+        c = c * jnp.sum(c)
+        return jax.lax.cond(t > 3, lambda c: c / jnp.sum(c * c), lambda c: c, c)
+      with jax.named_scope("forward_slot"):
+        return jax.lax.cond(t < 4, slot, lambda c: c, c), None
+    return jax.lax.scan(tick, x, jnp.arange(6))[0]
+
+  hlo = jax.jit(program).lower(x).compile().as_text()
+  traffic = collective_traffic(hlo, N, "", {"forward_slot": 4 / 6})
+  assert traffic.every_step["all-reduce"] == pytest.approx(4 * 2 * 7 / 8 * 4)
+  assert traffic.if_taken["all-reduce"] == pytest.approx(4 * 2 * 7 / 8 * 4)
+  assert collective_traffic(hlo, N, "").every_step["all-reduce"] == 0
 
 
 def test_pipeline_hands_on_one_micro_batch_per_stage_boundary():

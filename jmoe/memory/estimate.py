@@ -26,7 +26,7 @@ from jmoe.memory.walk import Value, Walker, divisor, nbytes
 from jmoe.parallel import Layout
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.state import state_spec
-from jmoe.train.step import compile_train_step, compiled_peak, make_train_step
+from jmoe.train.step import compiled_peak, fitting_schedule, make_train_step
 
 log = logging.getLogger("jmoe")
 
@@ -127,8 +127,15 @@ def compiled_bytes(config: Config, layout: Layout) -> int:
 def compiled_step(config: Config, layout: Layout,
                   compiler_options: dict | None = None) -> jax.stages.Compiled:
   """The config's train step compiled for `layout`, from shapes alone."""
+  return resolved_step(config, layout, compiler_options)[1]
+
+
+def resolved_step(config: Config, layout: Layout, compiler_options: dict | None = None
+                  ) -> tuple[Config, jax.stages.Compiled]:
+  """The config with its pipeline schedule resolved (`auto`: the one that fits, as training picks
+  it) and its train step compiled for `layout`, from shapes alone."""
   optimizer, spec, batch = _step_inputs(config, layout)
-  return compile_train_step(config, layout, spec, optimizer, batch, compiler_options)
+  return fitting_schedule(config, layout, spec, optimizer, batch, compiler_options)
 
 
 def function_peak(fn, *args, platform: str = "gpu") -> int:

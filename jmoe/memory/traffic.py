@@ -202,9 +202,10 @@ def collective_traffic(hlo: str, num_devices: int, partitioned: str = "",
                        branch_share: dict[str, float] | None = None) -> Traffic:
   """The bytes per device of a compiled program's collectives (`hlo`: its optimized HLO text;
   `partitioned`: the same program right after SPMD partitioning, for dtypes and kinds).
-  `branch_share`: for a conditional under a named scope of these (its op_name), the share of
-  the enclosing loop's trips in which it runs its branch: its collectives count in every step's
-  bytes that often; other conditionals' count apart, once, as if taken."""
+  `branch_share`: for a conditional made directly under a named scope of these (its op_name),
+  the share of the enclosing loop's trips in which it runs its branch: its collectives count in
+  every step's bytes that often; other conditionals' (those nested in its branches too) count
+  apart, once, as if taken."""
   computations, entry = parse(hlo)
   facts = as_partitioned(partitioned) if partitioned else {}
   traffic = Traffic({k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS}, {k: 0.0 for k in KINDS})
@@ -252,10 +253,11 @@ def collective_traffic(hlo: str, num_devices: int, partitioned: str = "",
 
 
 def scope_share(i: Instruction, shares: dict[str, float]) -> float | None:
-  """The share of `shares` whose scope the instruction's op_name passes through, else None."""
+  """The share of `shares` whose scope holds the conditional itself (its op_name ends in
+  SCOPE/cond), else None: conditionals nested in a slot's branch are not the slot's."""
   op_name = re.search(r'op_name="([^"]*)"', i.rest)
-  scopes = op_name.group(1).split("/") if op_name else ()
-  return next((share for scope, share in shares.items() if scope in scopes), None)
+  scopes = op_name.group(1).split("/")[-2:] if op_name else []
+  return next((share for scope, share in shares.items() if scopes == [scope, "cond"]), None)
 
 
 def slot_shares(config: Config, layout: Layout) -> dict[str, float]:
@@ -275,7 +277,13 @@ def compiled_texts(config: Config, layout: Layout) -> tuple[str, str]:
   """The config's train step on `layout`, compiled: its optimized HLO text, and the HLO text
   right after SPMD partitioning (dumped by the same compile to a temporary directory; empty on
   one device, where nothing is partitioned)."""
-  from jmoe.memory.estimate import compiled_step
+  return compiled_program(config, layout)[1:]
+
+
+def compiled_program(config: Config, layout: Layout) -> tuple[Config, str, str]:
+  """`compiled_texts`, after the config with its pipeline schedule resolved as training resolves
+  it (`auto`: GPipe, or the bounded schedule where GPipe's step does not fit the device)."""
+  from jmoe.memory.estimate import resolved_step
   from jax.experimental.compilation_cache import compilation_cache
   cached = jax.config.jax_enable_compilation_cache
   # A program from the persistent cache dumps nothing: compile afresh (the cache decides once
@@ -284,7 +292,7 @@ def compiled_texts(config: Config, layout: Layout) -> tuple[str, str]:
   compilation_cache.reset_cache()
   try:
     with tempfile.TemporaryDirectory() as directory:
-      compiled = compiled_step(config, layout, {
+      config, compiled = resolved_step(config, layout, {
           "xla_dump_to": directory, "xla_dump_hlo_as_text": True,
           "xla_dump_hlo_pass_re": "spmd-partitioning"})
       dumps = sorted(pathlib.Path(directory).glob("*train_step*after_spmd-partitioning*.txt"))
@@ -295,7 +303,7 @@ def compiled_texts(config: Config, layout: Layout) -> tuple[str, str]:
   if layout.mesh.size > 1 and not partitioned:
     raise RuntimeError("XLA wrote no HLO after SPMD partitioning: the collectives' dtypes "
                        "cannot be read (is XLA_FLAGS' --xla_dump_to set elsewhere?)")
-  return compiled.as_text(), partitioned
+  return config, compiled.as_text(), partitioned
 
 
 def routed_bytes(config: Config, layout: Layout) -> float:
@@ -314,9 +322,9 @@ def routed_bytes(config: Config, layout: Layout) -> float:
 def communication(config: Config, layout: Layout) -> dict:
   """Compiles the config's train step on `layout` and reports its collectives' bytes per device
   (one JSON-ready dict; `all_to_all_over_routed` is None without expert parallelism)."""
-  optimized, partitioned = compiled_texts(config, layout)
+  resolved, optimized, partitioned = compiled_program(config, layout)
   traffic = collective_traffic(optimized, layout.mesh.size, partitioned,
-                               slot_shares(config, layout))
+                               slot_shares(resolved, layout))
   routed = routed_bytes(config, layout)
   return {
       "bytes_per_device": {k: round(v) for k, v in traffic.every_step.items()},

@@ -8,6 +8,7 @@ from flax import nnx
 
 from jmoe.ops.embedding import lookup
 from jmoe.ops.params import param
+from jmoe.parallel import split_count
 
 
 class RMSNorm(nnx.Module):
@@ -31,4 +32,6 @@ class Embed(nnx.Module):
                        kind="lookup")
 
   def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-    return lookup(self.table[...], tokens_BS).astype(self.dtype)
+    # the output's gradient arrives split as the residual stream is (jmoe/model/block.py)
+    split = split_count(("act_batch", "act_seq_sp", None), (*tokens_BS.shape, 1), dim=1)
+    return lookup(self.table[...], tokens_BS, sequence_split=split).astype(self.dtype)

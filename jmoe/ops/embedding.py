@@ -8,17 +8,19 @@ that scatter took 4.75 ms of the packed bench's 147.3 ms step; alone, 16.4 ms on
 against 0.5 on random ones, and 9% of the largest entry off the float32 sum.
 
 Here the backward pass first sums the rows of equal tokens within chunks of C positions of a
-sequence: E_CC = (ids equal) as 0/1, E . g_CD in float32 (a small GEMM per chunk, the
-16-bit rows summed in float32), keeping each token's first position in the chunk; only those rows go to
+sequence: E_CC = (ids equal) as 0/1, E . g_CD in float32 (a small GEMM per chunk, the 16-bit
+rows summed in float32), keeping each token's first position in the chunk; only those rows go to
 the scatter, so a token's adds on one device number at most its chunks (B x S / C) instead of its
 occurrences. The chunks run along the sequence within each row, so they stay on the devices that
 hold their tokens, whatever the batch's or sequence's split; the table's split is XLA's to handle
-as for any scatter. Measured there (docs/PERFORMANCE.md): the packed bench's step 147.3 -> 145.1
+as for any scatter. Measured there (docs/PERFORMANCE.md): the packed bench's step 147.2 -> 145.1
 ms; alone 1.2 ms on either kind of token, 0.7% of the largest entry off. (A float32 scatter of the
 raw rows took 0.85 ms but holds a float32 [V, D] beside the table; C = 256 took 0.6 ms at 1.4%.)
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +28,14 @@ import jax.numpy as jnp
 CHUNK = 1024  # positions whose equal tokens are summed before the scatter: 2 C D flops a token
 
 
-def lookup(table_VD: jax.Array, tokens: jax.Array, chunk: int = CHUNK) -> jax.Array:
-  """`table_VD[tokens]`, [*tokens.shape, D]; its gradient as described above."""
+def lookup(table_VD: jax.Array, tokens: jax.Array, chunk: int = CHUNK,
+           sequence_split: int = 1) -> jax.Array:
+  """`table_VD[tokens]`, [*tokens.shape, D]; for a 16-bit table its gradient as described above
+  (a float32 table keeps XLA's: its float32 atomics neither serialise as much nor round).
+  `sequence_split`: into how many parts the layout splits the last axis of the output's
+  gradient (the sequence), so that each part holds whole chunks."""
+  if jnp.dtype(table_VD.dtype).itemsize > 2:
+    return jnp.take(table_VD, tokens, axis=0)
   vocab, dtype = table_VD.shape[0], table_VD.dtype
 
   @jax.custom_vjp
@@ -38,21 +46,28 @@ def lookup(table_VD: jax.Array, tokens: jax.Array, chunk: int = CHUNK) -> jax.Ar
     return take(table_VD, tokens), tokens
 
   def backward(tokens, g):
-    return summed_scatter(g, tokens, vocab, dtype, chunk), None
+    return summed_scatter(g, tokens, vocab, dtype, chunk, sequence_split), None
 
   take.defvjp(forward, backward)
   return take(table_VD, tokens)
 
 
-def summed_scatter(g: jax.Array, tokens: jax.Array, vocab: int, dtype, chunk: int = CHUNK
-                   ) -> jax.Array:
+def summed_scatter(g: jax.Array, tokens: jax.Array, vocab: int, dtype, chunk: int = CHUNK,
+                   sequence_split: int = 1) -> jax.Array:
   """[V, D] in `dtype`: the sum of g's rows [*tokens.shape, D] by token id, equal ids summed in
-  float32 within chunks of `chunk` positions along the last axis of `tokens` before the scatter.
-  Ids outside [0, V) add nothing (as `take`'s gradient drops them)."""
+  float32 within chunks of `chunk` positions along the last axis of `tokens` before the scatter
+  (where that axis splits into `sequence_split` parts, chunks that divide a part). Negative ids
+  count from the end, as `take` reads them; ids past the table add nothing (as `take`'s gradient
+  drops them). Beside the result it holds, per device and token, 3 C bytes of equality (as bools
+  and as 16-bit) and a float32 row: at 128k tokens of 2048 and C 1024, 0.4 and 1 GiB, at the
+  backward pass's end."""
   d = g.shape[-1]
   ids = tokens.reshape(-1, tokens.shape[-1]) if tokens.ndim else tokens.reshape(1, 1)
+  ids = jnp.where(ids < 0, ids + vocab, ids)
   g_RSD = g.reshape(*ids.shape, d)
   length = ids.shape[1]
+  if sequence_split > 1 and length % sequence_split == 0:  # no chunk across two devices' parts
+    chunk = math.gcd(length // sequence_split, chunk)
   chunk = min(chunk, length)
   padded = -(-length // chunk) * chunk
   if padded != length:  # the extra positions take an id past the table: dropped
@@ -70,4 +85,3 @@ def summed_scatter(g: jax.Array, tokens: jax.Array, vocab: int, dtype, chunk: in
   targets_RNC = jnp.where(keep_RNC, ids_RNC, vocab)  # `vocab`: out of bounds, dropped
   # (indices and rows kept in their [rows, chunks, C] shape: flattened, XLA gathers them whole)
   return jnp.zeros((vocab, d), dtype).at[targets_RNC].add(sums_RNCD.astype(dtype), mode="drop")
-
