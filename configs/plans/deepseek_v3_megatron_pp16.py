@@ -27,7 +27,7 @@ bf16 mixed precision with the distributed optimizer, sequence parallelism, 3 den
   and Adam moments); no multi-token prediction module, as the benchmark ran.
 - `moe.router.force_balanced`: the zoo's scripts name `--moe-router-force-load-balancing` for
   forced-balance (dropless) speed runs, as AutoModel's rows use a balanced gate.
-The schedule is the published one, 1F1B: the estimate fits an H200 at 60.0 GiB (GPipe: 96.2,
+The schedule is the published one, 1F1B: the estimate fits an H200 at 59.9 GiB (GPipe: 96.2,
 docs/MEMORY.md), and so does XLA's compile for 1,024 mocked H200s (`--compare --mock-gpus 1024`,
 2026-12-03, afternoon): 41.6 GiB. Before 3fb6145 it needed 965.9 GiB: XLA replicated the stages'
 copies of the 128 micro-batches when it cut the batch into them; jmoe now cuts it in two moves
