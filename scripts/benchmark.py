@@ -11,7 +11,9 @@ documents (segment ids and positions: attention and loss stay within each docume
 steps, then timed steps with one device sync at the end. Reports tokens/s and model TFLOP/s per
 device (Megatron's count: jmoe/train/flops.py), MFU against the datasheet's dense bf16 peak (989
 TFLOP/s for H100/H200) and against a dense bf16 GEMM measured in the same process, the step time
-and the peak device memory. `--balanced` forces every expert to the same load
+and the peak device memory, and the GPUs' mean SM clock, power draw and share of time at their
+power cap over the timed steps (`gpu_sm_clock_mhz`, `gpu_power_w`, `gpu_power_capped`; nvidia-smi,
+where there is one). `--balanced` forces every expert to the same load
 (moe.router.force_balanced), as NeMo AutoModel's published figures do. `--profile DIR` traces 3
 more steps and adds the device time per kernel kind. `--peer` then times a PyTorch peer on the
 same config, each in a process of its own so that each gets the GPU alone, and adds its figures
@@ -119,11 +121,12 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
       for _ in range(warmup):
         state, _ = trainer._step_fn(state, batch)
       jax.block_until_ready(state)
-      t1 = time.perf_counter()
-      for _ in range(max(warmup, 5)):
-        state, _ = trainer._step_fn(state, batch)
-      jax.block_until_ready(state)
-      bare_s = (time.perf_counter() - t1) / max(warmup, 5)
+      with GpuClocks() as clocks:
+        t1 = time.perf_counter()
+        for _ in range(max(warmup, 5)):
+          state, _ = trainer._step_fn(state, batch)
+        jax.block_until_ready(state)
+        bare_s = (time.perf_counter() - t1) / max(warmup, 5)
       trainer.state = state
   tokens = config.train.batch_size * config.data.seq_len * steps
   intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
@@ -137,7 +140,52 @@ def loop_figures(config, steps: int, warmup: int) -> dict:
           if intervals else None,
           "loop_end_bare_step_ms": round(bare_s * 1e3, 2),
           "loop_end_bare_tokens_per_s": round(config.train.batch_size * config.data.seq_len
-                                              / bare_s)}
+                                              / bare_s),
+          **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}
+
+
+class GpuClocks:
+  """The GPUs' SM clock, power draw and throttle reasons, sampled by `nvidia-smi` every 200 ms
+  while a block runs (nothing where there is none). A step's time follows the clock, and under
+  load an H200 runs at its power cap, its clock lower the more power the values multiplied draw
+  (a trained state's more than the initial one's: docs/PERFORMANCE.md), so each timing is
+  recorded with the clock it ran at."""
+  QUERY = "clocks.sm,power.draw,clocks_throttle_reasons.active"
+  POWER_CAP = 0x4  # nvidia-smi's "SW power cap" throttle reason
+
+  def __enter__(self) -> "GpuClocks":
+    import shutil
+    self._samples = ""
+    self._process = None if shutil.which("nvidia-smi") is None else subprocess.Popen(
+        ["nvidia-smi", f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits",
+         "-lms", "200"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    if self._process is not None:
+      self._process.terminate()
+      self._samples = self._process.communicate()[0]
+
+  def figures(self) -> dict:
+    return clock_figures(self._samples)
+
+
+def clock_figures(samples: str) -> dict:
+  """From `nvidia-smi`'s lines "MHz, W, reasons" (all GPUs, every sample): the mean SM clock and
+  power draw, and the share of samples held at the power cap; {} without samples."""
+  rows = []
+  for line in samples.splitlines():
+    parts = [p.strip() for p in line.split(",")]
+    try:
+      rows.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+    except (ValueError, IndexError):  # "[N/A]", a line cut by the termination
+      continue
+  if not rows:
+    return {}
+  return {"gpu_sm_clock_mhz": round(sum(r[0] for r in rows) / len(rows)),
+          "gpu_power_w": round(sum(r[1] for r in rows) / len(rows), 1),
+          "gpu_power_capped": round(sum(bool(r[2] & GpuClocks.POWER_CAP) for r in rows)
+                                    / len(rows), 2)}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:
@@ -325,11 +373,12 @@ def main(argv: list[str] | None = None) -> int:
       state, metrics = step(state, batch)
       first = first or jax.device_get({k: metrics[k] for k in ("loss", "grad_norm")})
     jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-      state, metrics = step(state, batch)
-    jax.block_until_ready(state)
-    step_s = (time.perf_counter() - t0) / args.steps
+    with GpuClocks() as clocks:
+      t0 = time.perf_counter()
+      for _ in range(args.steps):
+        state, metrics = step(state, batch)
+      jax.block_until_ready(state)
+      step_s = (time.perf_counter() - t0) / args.steps
     metrics = jax.device_get(metrics)
     devices = layout.mesh.devices.size
     tokens_per_s = batch_size * seq / step_s / devices
@@ -370,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_grad_norm": round(float(first["grad_norm"]), 5) if first else None,
         "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
         if load_LE.size else None,
-        "compile_s": round(compile_s, 1)}
+        "compile_s": round(compile_s, 1), **clocks.figures()}
     if breakdown is not None:
       record["profile"] = breakdown
     if args.loop:

@@ -322,3 +322,21 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(tmp_path)],
                            capture_output=True, text=True, timeout=120, env=command_env())
   assert refused.returncode == 2 and "exists" in refused.stderr
+
+
+def test_benchmark_reads_the_gpu_clocks_nvidia_smi_samples():
+  """nvidia-smi's samples ("MHz, W, throttle reasons" per GPU and sample, as `GpuClocks` asks
+  for them) give the mean clock and power and the share held at the power cap (reason 0x4);
+  unreadable lines are skipped, and no samples give no figures."""
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import benchmark
+  samples = ("1980, 136.28, 0x0000000000000000\n1725, 688.40, 0x0000000000000004\n"
+             "[N/A], [N/A], [N/A]\n1455, 695.22, 0x0000000000000005\n1500, 69")
+  assert benchmark.clock_figures(samples) == {
+      "gpu_sm_clock_mhz": 1720, "gpu_power_w": 506.6, "gpu_power_capped": 0.67}
+  assert benchmark.clock_figures("") == {}
+  import shutil
+  if shutil.which("nvidia-smi") is None:  # (as on CI) nothing sampled, nothing reported
+    with benchmark.GpuClocks() as clocks:
+      pass
+    assert clocks.figures() == {}
