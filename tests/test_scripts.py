@@ -329,14 +329,14 @@ def test_benchmark_reads_the_gpu_clocks_nvidia_smi_samples():
   for them) give the mean clock and power and the share held at the power cap (reason 0x4);
   unreadable lines are skipped, and no samples give no figures."""
   sys.path.insert(0, str(ROOT / "scripts"))
-  import benchmark
+  import gpu_clocks
   samples = ("1980, 136.28, 0x0000000000000000\n1725, 688.40, 0x0000000000000004\n"
              "[N/A], [N/A], [N/A]\n1455, 695.22, 0x0000000000000005\n1500, 69")
-  assert benchmark.clock_figures(samples) == {
+  assert gpu_clocks.clock_figures(samples) == {
       "gpu_sm_clock_mhz": 1720, "gpu_power_w": 506.6, "gpu_power_capped": 0.67}
-  assert benchmark.clock_figures("") == {}
+  assert gpu_clocks.clock_figures("") == {}
   import shutil
   if shutil.which("nvidia-smi") is None:  # (as on CI) nothing sampled, nothing reported
-    with benchmark.GpuClocks() as clocks:
+    with gpu_clocks.GpuClocks() as clocks:
       pass
     assert clocks.figures() == {}

@@ -269,8 +269,8 @@ def slot_shares(config: Config, layout: Layout) -> dict[str, float]:
   m = config.train.num_micro_batches
   schedule = Schedule(layout.stages, config.parallel.pipeline_repeats, m,
                       kind=config.parallel.schedule)
-  visits = schedule.repeats * m + schedule.stages - 1
-  return {slot: runs / schedule.iterations for slot, runs in zip(SLOTS, (visits, m, visits))}
+  runs = (schedule.slots, m, schedule.slots)
+  return {slot: n / schedule.iterations for slot, n in zip(SLOTS, runs)}
 
 
 def compiled_texts(config: Config, layout: Layout) -> tuple[str, str]:

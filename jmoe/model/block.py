@@ -7,15 +7,12 @@ from flax import nnx, struct
 
 from jmoe.config import LoRAConfig, ModelConfig, MoEConfig
 from jmoe.model.attention import Attention
-from jmoe.model.layers import RMSNorm
+from jmoe.model.layers import RESIDUAL_AXES, RMSNorm
 from jmoe.model.mla import MLAttention
 from jmoe.model.mlp import SwiGLU
 from jmoe.moe import MoE, RouterStats
 from jmoe.ops.fp8 import Fp8Recipe
 from jmoe.parallel import constrain
-
-# The residual stream between blocks: sequence-parallel over context and tensor devices.
-RESIDUAL_AXES = ("act_batch", "act_seq_sp", None)
 
 
 @struct.dataclass

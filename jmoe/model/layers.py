@@ -10,6 +10,9 @@ from jmoe.ops.embedding import lookup
 from jmoe.ops.params import param
 from jmoe.parallel import split_count
 
+# The residual stream between blocks: sequence-parallel over context and tensor devices.
+RESIDUAL_AXES = ("act_batch", "act_seq_sp", None)
+
 
 class RMSNorm(nnx.Module):
 
@@ -32,6 +35,6 @@ class Embed(nnx.Module):
                        kind="lookup")
 
   def __call__(self, tokens_BS: jax.Array) -> jax.Array:
-    # the output's gradient arrives split as the residual stream is (jmoe/model/block.py)
-    split = split_count(("act_batch", "act_seq_sp", None), (*tokens_BS.shape, 1), dim=1)
+    # the output's gradient arrives split as the residual stream is
+    split = split_count(RESIDUAL_AXES, (*tokens_BS.shape, 1), dim=1)
     return lookup(self.table[...], tokens_BS, sequence_split=split).astype(self.dtype)

@@ -32,17 +32,22 @@ class Schedule:
   kind: str = "gpipe"
 
   @property
+  def slots(self) -> int:
+    """R M + S - 1: the forward iterations every stage runs (R M visits and the S - 1 of the
+    fill), and as many backward ones."""
+    return self.repeats * self.micro_batches + self.stages - 1
+
+  @property
   def iterations(self) -> int:
     """Forward iterations (GPipe), or iterations of the 1F1B loop, whose forward slots run in
     the first R M + S - 1 and backward slots in the last R M + S - 1."""
-    forward = self.repeats * self.micro_batches + self.stages - 1
-    return forward if self.kind == "gpipe" else forward + self.repeats * self.stages - 1
+    return self.slots if self.kind == "gpipe" else self.slots + self.repeats * self.stages - 1
 
   @property
   def bubble(self) -> float:
     """The share of its forward (and of its backward) slots a stage idles: the same for every
     schedule of the same S, R and M (1F1B's loop skips the slots no stage uses)."""
-    return (self.stages - 1) / (self.repeats * self.micro_batches + self.stages - 1)
+    return (self.stages - 1) / self.slots
 
   @property
   def in_flight(self) -> int:
