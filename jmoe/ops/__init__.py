@@ -6,6 +6,7 @@
   fp8_grouped.py   FP8 grouped and batched expert GEMMs (row-wise scales)
   fp8_mosaic.py    the FP8 grouped GEMM on Hopper: what XLA prepares for jmoe's kernels
   fp8_mosaic_kernels.py  those kernels, on Pallas Mosaic-GPU (not imported until called)
+  fp8_transpose.py the kernels' transposed (and gathered) float8 operands, on Pallas Triton
   fp8_blockwise.py DeepSeek-V3's blockwise scaling (1 x 128, 128 x 128 tiles)
   attention.py     attention kernels (cuDNN, XLA)
   max_logit.py     each attention head's largest logit, a block of queries at a time (QK-clip)

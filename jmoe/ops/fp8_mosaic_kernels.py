@@ -17,8 +17,8 @@ and read here as int32 scalars: the kernels carry no per-expert loop. Both are p
 program per SM walks the output tiles in a snake order (`grid_block_n` tiles side by side) so
 that neighbouring programs share operand tiles in L2.
 
-These kernels have not yet run on a GPU: scripts/check_gpu.py (fp8_* cases) holds them to a
-float32 reference of the dequantized operands, expert by expert.
+scripts/check_gpu.py --fp8 (fp8_* cases) holds them to a float32 reference of the dequantized
+operands, expert by expert.
 """
 
 from __future__ import annotations
