@@ -136,7 +136,7 @@ def test_bad_config_files(tmp_path, text, message):
     ("precision.gemm=fp8 precision.fp8_dense=false precision.fp8_recipe=delayed",
      "fp8_dense=false leaves in bf16"),
     ("precision.gemm=fp8 precision.fp8_weight_gradient=fp16",
-     r"precision.fp8_weight_gradient must be one of \['bf16', 'fp8'\]"),
+     r"precision.fp8_weight_gradient must be one of \['auto', 'bf16', 'fp8'\]"),
     ("model.attention_kernel=flash", "model.attention_kernel must be one of"),
     ("parallel.expert.tensor=3", "multiplies to|cannot share|does not divide"),
     ("moe.d_ff_expert=15 parallel.expert.tensor=2",

@@ -232,3 +232,29 @@ def test_a_bf16_weight_gradient_takes_the_dequantized_input_and_the_gradient_as_
     np.testing.assert_allclose(dws["bf16"][e], x_deq[start:end].T @ np.asarray(
         dy[start:end], np.float64), rtol=1e-5, atol=1e-4)
     assert rel(dws["bf16"][e], exact) < 0.5 * rel(dws["fp8"][e], exact), e
+
+
+@pytest.mark.parametrize("below, want", [(1, "bf16"), (0, "fp8")])
+def test_auto_weight_gradient_takes_fp8_from_the_measured_rows_per_expert(below, want):
+  """precision.fp8_weight_gradient=auto: the 16-bit contraction below FP8_WEIGHT_GRADIENT_ROWS
+  rows per expert (the rows the kernels see, padding included), the float8 one from it."""
+  from jmoe.ops.fp8_grouped import FP8_WEIGHT_GRADIENT_ROWS
+  rows_per_expert = FP8_WEIGHT_GRADIENT_ROWS - below
+  called = []
+
+  def contract(*args, **kw):
+    called.append("fp8")
+    return fake_contract(*args, **kw)
+
+  def contract16(x, y, sizes):
+    called.append("bf16")
+    return jnp.zeros((sizes.shape[0], x.shape[1], y.shape[1]), jnp.float32)
+
+  experts = 2
+  x = jnp.ones((rows_per_expert * experts, 8))
+  w, dy = jnp.ones((experts, 8, 16)), jnp.ones((rows_per_expert * experts, 16))
+  sizes = jnp.asarray([rows_per_expert] * experts)
+  gemm = grouped_fp8(mosaic_fp8_kernels(fake_rows, contract, contract16), weight_gradient="auto")
+  _, vjp = jax.vjp(lambda x, w: gemm(x, w, sizes), x, w)
+  vjp(dy)
+  assert called == [want]

@@ -329,9 +329,10 @@ class PrecisionConfig:
   fp8_dense: bool = True  # the dense GEMMs in FP8: attention, dense MLPs, shared experts (false:
   # the routed experts only)
   fp8_dispatch: bool = False  # tokens cross the expert-parallel exchange as float8 (row scales)
-  # the expert GEMMs' weight gradient: bf16 (the 16-bit kernel on the dequantized input: faster
-  # on moe.gemm=mosaic, docs/FP8.md) | fp8 (float8 kernels for it too)
-  fp8_weight_gradient: str = "bf16"
+  # the expert GEMMs' weight gradient: fp8 (float8 kernels for it too) | bf16 (the 16-bit kernel
+  # on the dequantized input) | auto (fp8 where a device's experts average 1,024 rows or more,
+  # where it measured faster on moe.gemm=mosaic; docs/FP8.md)
+  fp8_weight_gradient: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ class Fp8Recipe:
   # then scale from current values per tensor
   blockwise: bool = False
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
-  weight_gradient: str = "bf16"  # the expert GEMMs' weight gradient: bf16 | fp8
+  weight_gradient: str = "auto"  # the expert GEMMs' weight gradient: auto | bf16 | fp8
 
   @property
   def grad_dtype(self):
