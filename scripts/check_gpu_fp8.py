@@ -135,20 +135,39 @@ def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
   return result
 
 
+def transpose_case(c: dict) -> dict:
+  """jmoe's Triton transpose (the weight gradient's operands) against XLA's gather and
+  transpose: the same bytes, x_q and dy_q in the group-aligned column order."""
+  from jmoe.ops.fp8_mosaic import group_aligned_columns
+  from jmoe.ops.fp8_transpose import transpose_rows
+  source, _ = group_aligned_columns(jnp.asarray(c["sizes"]), c["x_q"].shape[0], 128)
+  result = {"rows": int(c["x_q"].shape[0])}
+  for name in ("x_q", "dy_q"):
+    bytes_ = lambda a: np.asarray(jax.device_get(jax.lax.bitcast_convert_type(a, jnp.uint8)))
+    kernel = jax.jit(transpose_rows)(c[name], source)
+    xla = jax.jit(lambda a, s: jnp.take(a, s, axis=0, mode="fill", fill_value=0).T)(c[name],
+                                                                                      source)
+    result[f"{name}_differing_bytes"] = int(np.sum(bytes_(kernel) != bytes_(xla)))
+  result["ok"] = not result["x_q_differing_bytes"] and not result["dy_q_differing_bytes"]
+  return result
+
+
 def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
-  """One kernel job and one end-to-end job per (shape, routing)."""
+  """One transpose job, one kernel job and two end-to-end jobs per (shape, routing)."""
   def job(kind_of_check, shape, kind):
     check = f"fp8_{kind_of_check}/{shape}/{kind}"
 
     def run():
       c = quantized_case(shape, kind, rows, ROUTINGS.index(kind))
+      if kind_of_check == "transpose":
+        return {"check": check, **transpose_case(c)}
       return {"check": check, **(kernel_case(c) if kind_of_check == "kernels"
                                  else grouped_case(c, "fp8" if "wfp8" in kind_of_check
                                                    else "bf16"))}
     return named(run, check)
 
   return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in ("kernels", "grouped", "grouped_wfp8")]
+          for which in ("transpose", "kernels", "grouped", "grouped_wfp8")]
 
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:

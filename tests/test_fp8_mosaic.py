@@ -3,6 +3,8 @@ layout of the weight gradient, and what reaches the kernels, with stand-in kerne
 the kernels' contract in XLA (and leave NaN where a kernel leaves memory unwritten). The kernels
 themselves run only on Hopper: scripts/check_gpu.py --fp8."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,27 +236,31 @@ def test_a_bf16_weight_gradient_takes_the_dequantized_input_and_the_gradient_as_
     assert rel(dws["bf16"][e], exact) < 0.5 * rel(dws["fp8"][e], exact), e
 
 
-@pytest.mark.parametrize("below, want", [(1, "bf16"), (0, "fp8")])
-def test_auto_weight_gradient_takes_fp8_from_the_measured_rows_per_expert(below, want):
-  """precision.fp8_weight_gradient=auto: the 16-bit contraction below FP8_WEIGHT_GRADIENT_ROWS
-  rows per expert (the rows the kernels see, padding included), the float8 one from it."""
-  from jmoe.ops.fp8_grouped import FP8_WEIGHT_GRADIENT_ROWS
-  rows_per_expert = FP8_WEIGHT_GRADIENT_ROWS - below
-  called = []
+def test_auto_weight_gradient_goes_by_the_experts_mean_rows():
+  """precision.fp8_weight_gradient=auto: the float8 weight gradient for experts of at least
+  FP8_WEIGHT_GRADIENT_ROWS rows each under balanced routing (dispatch's static mean, not the
+  rows buffer, which the all-gather dispatcher fills with other devices' rows), the 16-bit one
+  below; the rows past per-expert blocks take the latter."""
+  from jmoe.moe.dispatch import Rows
+  from jmoe.moe.experts import ExpertCompute, ExpertWeights
+  from jmoe.ops.fp8_grouped import FP8_WEIGHT_GRADIENT_ROWS as ROWS, weight_gradient_for
+  assert [weight_gradient_for("auto", r) for r in (ROWS - 0.5, ROWS)] == ["bf16", "fp8"]
+  assert weight_gradient_for("bf16", 1e9) == "bf16" and weight_gradient_for("fp8", 1) == "fp8"
 
-  def contract(*args, **kw):
-    called.append("fp8")
-    return fake_contract(*args, **kw)
+  class Cfg:
+    gemm, activation, swiglu_limit, swiglu_alpha, expert_blocks = "ragged_dot", "swiglu", 0, 0, 0
 
-  def contract16(x, y, sizes):
-    called.append("bf16")
-    return jnp.zeros((sizes.shape[0], x.shape[1], y.shape[1]), jnp.float32)
-
-  experts = 2
-  x = jnp.ones((rows_per_expert * experts, 8))
-  w, dy = jnp.ones((experts, 8, 16)), jnp.ones((rows_per_expert * experts, 16))
-  sizes = jnp.asarray([rows_per_expert] * experts)
-  gemm = grouped_fp8(mosaic_fp8_kernels(fake_rows, contract, contract16), weight_gradient="auto")
-  _, vjp = jax.vjp(lambda x, w: gemm(x, w, sizes), x, w)
-  vjp(dy)
-  assert called == [want]
+  auto = ExpertCompute.from_config(Cfg, "e5m2", False, "auto")
+  assert auto.grouped is grouped_gemm("ragged_dot", "e5m2", False, "fp8")
+  assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16")
+  assert ExpertCompute.from_config(Cfg, "e5m2", False, "fp8").grouped_few_rows is None
+  used = []
+  gemm = lambda name: (lambda x, w, sizes: used.append(name) or x @ w[0])
+  compute = dataclasses.replace(auto, grouped=gemm("fp8"), grouped_few_rows=gemm("bf16"))
+  weights = ExpertWeights(w_in_ED2F=jnp.ones((2, 4, 2, 4)), w_out_EFD=jnp.ones((2, 4, 4)))
+  for mean, want in ((ROWS - 1, "bf16"), (ROWS, "fp8")):
+    rows = Rows(x_XD=jnp.ones((6, 4)), group_sizes_E=jnp.asarray([3, 3]),
+                mean_rows_per_expert=mean)
+    used.clear()
+    compute(rows, weights, None)
+    assert used == [want, want]

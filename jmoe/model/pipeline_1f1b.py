@@ -4,8 +4,10 @@ stage holds the activations of a bounded number of micro-batches, not of all M.
 Each iteration (tick) t, every stage runs one forward slot, then the head and loss (`tail`) take
 the micro-batch that just left the last stage, then every stage runs one backward slot; the
 activations go on to the next stage and the gradients back to the previous one (`Layout`'s
-`next_stage` / `previous_stage`: one collective-permute per stage boundary), each sent inside its
-slot's conditional, so only in the R M + S - 1 ticks the slot runs, as under GPipe.
+`next_stage` / `previous_stage`: one collective-permute per stage boundary). The activations go
+every tick, outside the slots, where the send can overlap the tick's loss and backward slots;
+the gradients go inside the backward slot, only in the R M + S - 1 ticks it runs (their send
+ends the tick either way, and the first R S - 1 ticks have none to send).
 
 Order (S stages, R repeats, M micro-batches; interleaved needs S | M): stage s's forward visit
 n = t - s (0 <= n < R M) is micro-batch k S + (u mod S) at repeat u // S, where n = k R S + u:
@@ -83,7 +85,6 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
                         ct, stats_S)
 
   def forward(carry, t):
-    """(what the stages output, the same handed to the next stages, the ring, the stats)."""
     x_S, ring_SW, stats_SR = carry
     n_S = t - ids
     on_S = (n_S >= 0) & (n_S < R * M)
@@ -93,8 +94,7 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
     x_S = jnp.where(by_stage(new_S, x_S), get(in_SM, micro_S).astype(x_S.dtype), x_S)
     ring_SW = put(ring_SW, jnp.clip(n_S, 0) % W, on_S, x_S)
     y_S, stats_S = run(trained_state, x_S, micro_S, repeat_S)
-    return (y_S, layout.next_stage(y_S, wrap=R > 1), ring_SW,
-            st.add_stats(stats_SR, stats_S, repeat_S, on_S))
+    return y_S, ring_SW, st.add_stats(stats_SR, stats_S, repeat_S, on_S)
 
   def loss_of_last(t, y_S):
     """The tail on what leaves the last stage at tick t (if its last repeat): on every device."""
@@ -129,11 +129,11 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
 
   def tick(carry, t):
     (x_S, g_S, ring_SW, dx_SM, stats_SR, d_stage, loss, aux, d_tail) = carry
-    # Slots no stage runs this tick are skipped, with their sends (the predicates depend on t
-    # alone, so every device takes the same branch).
+    # Slots no stage runs this tick are skipped (the predicates depend on t alone, so every
+    # device takes the same branch, and the backward slot's send with it).
     with jax.named_scope(SLOTS[0]):
-      y_S, x_S, ring_SW, stats_SR = jax.lax.cond(
-          t < R * M + S - 1, forward, lambda c, t: (c[0], c[0], c[1], c[2]),
+      y_S, ring_SW, stats_SR = jax.lax.cond(
+          t < R * M + S - 1, forward, lambda c, t: (c[0], c[1], c[2]),
           (x_S, ring_SW, stats_SR), t)
     n_last = t - (S - 1)
     leaves = (n_last >= 0) & (n_last < R * M) & (visit(jnp.maximum(n_last, 0))[1] == R - 1)
@@ -146,8 +146,8 @@ def pipeline_value_and_grad(stack: nnx.Module, layout: Layout, x_BSD: jax.Array,
           t >= R * S - 1, backward, lambda c, t, dh: (jnp.zeros_like(c[0]), c[2], c[3]),
           (g_S, ring_SW, dx_SM, d_stage), t, dh_S)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return (x_S, g_S, ring_SW, dx_SM, stats_SR, d_stage, loss + loss_t, add(aux, aux_t),
-            add(d_tail, d_tail_t)), None
+    return (layout.next_stage(y_S, wrap=R > 1), g_S, ring_SW, dx_SM, stats_SR, d_stage,
+            loss + loss_t, add(aux, aux_t), add(d_tail, d_tail_t)), None
 
   in_SM = st.stage_copies(x_MBSD)  # stage 0 reads its own copy; its gradient: dx_SM[0]
   zeros_S = st.inner.on_stages(jnp.zeros((S, *x_MBSD.shape[1:]), x_MBSD.dtype))

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jmoe.moe.dispatch import Rows
 from jmoe.ops.activations import GATED_ACTIVATIONS, GatedActivation
+from jmoe.ops.fp8_grouped import weight_gradient_for
 from jmoe.ops.grouped_gemm import BatchedGemm, GroupedGemm, batched_gemm, grouped_gemm
 from jmoe.ops.rows import move_rows, row_groups, run_if, take_rows
 from jmoe.parallel import ExpertAxes
@@ -74,36 +75,46 @@ def gated_activation(cfg) -> GatedActivation:
 class ExpertCompute:
   """How the experts multiply: the grouped GEMM, the batched GEMM for per-expert blocks (when
   `block_factor` > 0: each block holds up to that multiple of the mean rows per expert), the
-  gated activation, and the GEMMs of LoRA adapters (never FP8: their factors are thin)."""
+  gated activation, and the GEMMs of LoRA adapters (never FP8: their factors are thin).
+  `grouped_few_rows`: the grouped GEMM for experts of fewer than FP8_WEIGHT_GRADIENT_ROWS rows
+  each (precision.fp8_weight_gradient=auto: its weight gradient in bf16), if it differs."""
   grouped: GroupedGemm
   batched: BatchedGemm
   activation: GatedActivation
   block_factor: float = 0.0
   adapter_grouped: GroupedGemm | None = None
   adapter_batched: BatchedGemm | None = None
+  grouped_few_rows: GroupedGemm | None = None
 
   @classmethod
   def from_config(cls, cfg, fp8_grad_format: str | None = None, blockwise: bool = False,
                   weight_gradient: str = "bf16") -> ExpertCompute:
     """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given,
-    on blockwise scales with `blockwise`, the grouped weight gradient in `weight_gradient`."""
-    return cls(grouped_gemm(cfg.gemm, fp8_grad_format, blockwise, weight_gradient),
-               batched_gemm(fp8_grad_format),
+    on blockwise scales with `blockwise`, the grouped weight gradient in `weight_gradient`
+    (`auto`: by the rows per expert, `weight_gradient_for`)."""
+    grouped = lambda how: grouped_gemm(cfg.gemm, fp8_grad_format, blockwise, how)
+    many, few = (weight_gradient_for(weight_gradient, rows) for rows in (math.inf, 0))
+    return cls(grouped(many), batched_gemm(fp8_grad_format),
                gated_activation(cfg), cfg.expert_blocks, grouped_gemm(cfg.gemm, None),
-               batched_gemm(None))
+               batched_gemm(None), grouped(few) if few != many else None)
 
   def __call__(self, rows: Rows, weights: ExpertWeights, axes: ExpertAxes) -> jax.Array:
     """y_XD for the rows of this device's experts (`axes`: where they run)."""
     if weights.b_out_ED is not None and axes.tensor:  # ETP partial sums add the down bias once
       first = (jax.lax.axis_index(axes.tensor) == 0).astype(weights.b_out_ED.dtype)
       weights = weights.replace(b_out_ED=weights.b_out_ED * first)
+    grouped = self.grouped
+    if (self.grouped_few_rows is not None
+        and weight_gradient_for("auto", rows.mean_rows_per_expert) == "bf16"):
+      grouped = self.grouped_few_rows
     if not self.block_factor:
-      return expert_ffn(rows.x_XD, rows.group_sizes_E, weights, self.grouped, self.activation,
+      return expert_ffn(rows.x_XD, rows.group_sizes_E, weights, grouped, self.activation,
                         self.adapter_grouped)
     capacity = block_capacity(rows.mean_rows_per_expert, self.block_factor)
+    # the grouped GEMM takes only the rows past the blocks: few per expert
     return blocked_expert_ffn(rows.x_XD, rows.group_sizes_E, weights, capacity, self.batched,
-                              self.grouped, self.activation, axes.tokens, self.adapter_batched,
-                              self.adapter_grouped)
+                              self.grouped_few_rows or self.grouped, self.activation,
+                              axes.tokens, self.adapter_batched, self.adapter_grouped)
 
 
 def _row_bias(b_EF: jax.Array, group_sizes_E: jax.Array, num_rows: int) -> jax.Array:

@@ -17,11 +17,19 @@ import jax.numpy as jnp
 from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
 from jmoe.ops.rows import row_groups, take_rows
 
-# `weight_gradient="auto"` takes the float8 contraction when a device's experts average at least
-# this many rows each, else the 16-bit one. Measured on an H200 (docs/FP8.md): at 2,048 rows per
-# expert (Mixtral's bench) the float8 weight gradient ran 1.5-1.6x the bf16 kernel and the step
-# 8% faster; at 512 (Qwen3-30B-A3B's) its short K loops ran 0.95-1.10x and the step 2.3% slower.
+# precision.fp8_weight_gradient=auto takes the float8 contraction when a device's experts have at
+# least this many rows each under balanced routing, else the 16-bit one. Measured on an H200
+# (docs/FP8.md): at 2,048 rows per expert (Mixtral's bench) the float8 weight gradient ran 1.5-1.6x
+# the bf16 kernel and the step 8% faster; at 512 (Qwen3-30B-A3B's) its short K loops ran
+# 0.95-1.10x and the step 2.3% slower. Two shapes: the threshold lies between them, not measured.
 FP8_WEIGHT_GRADIENT_ROWS = 1024
+
+
+def weight_gradient_for(setting: str, mean_rows_per_expert: float) -> str:
+  """`precision.fp8_weight_gradient` resolved for experts of that many rows each: fp8 | bf16."""
+  if setting != "auto":
+    return setting
+  return "fp8" if mean_rows_per_expert >= FP8_WEIGHT_GRADIENT_ROWS else "bf16"
 
 # (x_XD, w_EDF, group_sizes_E) -> y_XF, and (x_XD, y_XF, group_sizes_E) -> sum over each group's
 # rows of x^T y, [E, D, F]; both take float8 operands and return bfloat16.
@@ -49,16 +57,10 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
   dw[e] = sum_r x[r]^T dy[r] = sum_r x_q[r]^T (dy[r] * s_x[r]), so the forward's row-quantized x is
   reused and its row scales fold into dy, which is then quantized with one scale.
   `weight_gradient="bf16"` (where the kernels have `contract16`): the same sum in the 16-bit
-  kernel, over x_q dequantized (the values the forward multiplied) and dy as it comes; `auto`:
-  bf16 below FP8_WEIGHT_GRADIENT_ROWS rows per expert, else float8.
+  kernel, over x_q dequantized (the values the forward multiplied) and dy as it comes.
   """
   grad_dtype = FORMATS[grad_format]
-
-  def contract16_for(rows: int, experts: int):
-    """The 16-bit contraction when the weight gradient is to run in bf16, else None."""
-    in_bf16 = weight_gradient == "bf16" or (
-        weight_gradient == "auto" and rows < FP8_WEIGHT_GRADIENT_ROWS * experts)
-    return kernels.contract16 if in_bf16 else None
+  contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
   @jax.custom_vjp
   def gemm(x_XD, w_EDF, group_sizes_E):
@@ -86,7 +88,6 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
                         group_sizes_E)
     dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], expert_X)
     dx_XD = jnp.where(in_groups_X1, dx_XD, 0)
-    contract16 = contract16_for(dy_XF.shape[0], w_q.shape[0])
     if contract16 is not None:
       x_XD = (x_q.astype(jnp.float32) * scale_X1).astype(dy_XF.dtype)
       dw_EDF = contract16(x_XD, dy_XF, group_sizes_E).astype(jnp.float32)

@@ -12,8 +12,8 @@ whose expert boundaries fall anywhere: instead of masking columns inside the ker
 dy_q^T are written with every expert's columns starting on a multiple of block_k and zeros in
 the gaps (`group_aligned_columns` computes the order in XLA; the gather and transpose are one
 Triton kernel, jmoe/ops/fp8_transpose.py), so every K step of the kernel belongs to one expert
-and needs no mask. The price: up to E x (block_k - 1) extra zero
-columns per operand (E = 128, block_k = 128: 16k columns beside, for example, 64k rows).
+and needs no mask. The price: up to E x (block_k - 1) extra zero columns per operand (E = 128,
+block_k = 128: 16k columns beside, for example, 64k rows).
 
 Scales stay outside the kernels (jmoe/ops/fp8_grouped.py multiplies the bf16 output by the row
 and expert scales in XLA): the output's bf16 rounding is relative, 2^-9 of each value whatever
