@@ -139,14 +139,12 @@ def transpose_case(c: dict) -> dict:
   """jmoe's Triton transpose (the weight gradient's operands) against XLA's gather and
   transpose: the same bytes, x_q and dy_q in the group-aligned column order."""
   from jmoe.ops.fp8_mosaic import group_aligned_columns
-  from jmoe.ops.fp8_transpose import transpose_rows
+  from jmoe.ops.fp8_transpose import transpose_rows, xla_transpose_rows
   source, _ = group_aligned_columns(jnp.asarray(c["sizes"]), c["x_q"].shape[0], 128)
+  bytes_ = lambda a: np.asarray(jax.device_get(jax.lax.bitcast_convert_type(a, jnp.uint8)))
   result = {"rows": int(c["x_q"].shape[0])}
   for name in ("x_q", "dy_q"):
-    bytes_ = lambda a: np.asarray(jax.device_get(jax.lax.bitcast_convert_type(a, jnp.uint8)))
-    kernel = jax.jit(transpose_rows)(c[name], source)
-    xla = jax.jit(lambda a, s: jnp.take(a, s, axis=0, mode="fill", fill_value=0).T)(c[name],
-                                                                                      source)
+    kernel, xla = (jax.jit(f)(c[name], source) for f in (transpose_rows, xla_transpose_rows))
     result[f"{name}_differing_bytes"] = int(np.sum(bytes_(kernel) != bytes_(xla)))
   result["ok"] = not result["x_q_differing_bytes"] and not result["dy_q_differing_bytes"]
   return result

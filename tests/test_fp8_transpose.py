@@ -9,7 +9,7 @@ import pytest
 
 from jmoe.ops.fp8 import E4M3, E5M2
 from jmoe.ops.fp8_mosaic import group_aligned_columns
-from jmoe.ops.fp8_transpose import transpose_rows
+from jmoe.ops.fp8_transpose import transpose_rows, xla_transpose_rows
 
 
 def same_bits(a, b):
@@ -41,6 +41,7 @@ def test_negative_and_past_the_end_sources_give_zero_columns():
   out = np.asarray(transpose_rows(x, source).astype(jnp.float32))
   np.testing.assert_array_equal(out[:, [0, 2, 5]], np.asarray(x.astype(jnp.float32))[[3, 129, 0]].T)
   assert not out[:, [1, 3, 4]].any()
+  same_bits(xla_transpose_rows(x, source), transpose_rows(x, source))  # the fallback agrees
 
 
 def test_operands_past_32_bit_offsets_and_empty_ones_take_xla(monkeypatch):

@@ -7,8 +7,10 @@ values ran at 280-310 GB/s on an H200 (15.7% of the FP8 Qwen3 step). Here a bloc
 128 columns is read row-wise (each row 128 contiguous values), turned by Triton, and written
 column-wise (each output row 128 contiguous values): 1.1-2.1 TB/s.
 
-  transpose_rows(x_RC, source_P)  [C, P]: out[:, p] = x[source_P[p]], zeros where source_P[p]
-                                  is outside [0, R)
+  transpose_rows(x_RC, source_P)      [C, P]: out[:, p] = x[source_P[p]], zeros where
+                                      source_P[p] is outside [0, R)
+  xla_transpose_rows(x_RC, source_P)  the same through XLA's gather and transpose: the
+                                      fallback, and the reference the checks hold it to
 
 One-byte values move as their bytes (Triton's lowering makes no float8 constants, and float8
 zero is byte 0), so the result is x's values bit for bit.
@@ -36,7 +38,7 @@ def transpose_rows(x_RC: jax.Array, source_P: jax.Array, *, block: int = BLOCK,
   rows, cols = x_RC.shape
   width = source_P.shape[0]
   if not rows * cols * width or max(rows * cols, cols * width) > MAX_ELEMENTS:
-    return jnp.take(x_RC, source_P, axis=0, mode="fill", fill_value=0).T
+    return xla_transpose_rows(x_RC, source_P)
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   dtype = x_RC.dtype
@@ -64,3 +66,10 @@ def transpose_rows(x_RC: jax.Array, source_P: jax.Array, *, block: int = BLOCK,
       name="jmoe_transpose_rows")
   out_CP = call(source_P.astype(jnp.int32), x_RC)
   return jax.lax.bitcast_convert_type(out_CP, dtype) if as_bytes else out_CP
+
+
+def xla_transpose_rows(x_RC: jax.Array, source_P: jax.Array) -> jax.Array:
+  """`transpose_rows` through XLA: a gather (zeros outside [0, R)) and a transpose."""
+  valid_P = (source_P >= 0) & (source_P < x_RC.shape[0])
+  return jnp.take(x_RC, jnp.where(valid_P, source_P, x_RC.shape[0]), axis=0, mode="fill",
+                  fill_value=0).T
