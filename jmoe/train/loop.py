@@ -151,40 +151,57 @@ class Trainer:
   def train(self, steps: int | None = None, *, signals: StopSignals | None = None) -> list[dict]:
     """Runs `steps` more steps (default: up to `train.steps`), logging every `train.log_every`,
     evaluating every `train.eval_every`, checkpointing every `checkpoint.every`. Returns this
-    call's logged records (dicts of floats and lists, as in metrics.jsonl)."""
+    call's logged records (dicts of floats and lists, as in metrics.jsonl).
+
+    A logged step's metrics are read once the next step is queued behind it, so that the device
+    never waits for the host to write a record and launch the next step; the call's last step,
+    and a step that evaluates, are read at once."""
     cfg = self.config
     end = cfg.train.steps if steps is None else self.step + steps
-    tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-    records, last_time, last_step = [], time.perf_counter(), self.step
-    first = self.step + 1
+    records, first = [], self.step + 1
+    self._since = (time.perf_counter(), self.step)
+    queued = None  # a logged step's (step, metrics), read after the next step is launched
     while self.step < end:
       self.state, metrics = self._step_fn(self.state, self.data.next_batch())
       self.step = done = self.step + 1
       self._last_metrics = metrics
+      if queued is not None:
+        records.append(self._log(*queued))
+        queued = None
       self.health.add(done, metrics["skipped"])
       evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
-      if evaluate or done % cfg.train.log_every == 0 or done in (first, end):
-        self.health.check()
-        record = summarize(jax.device_get(metrics), done)
-        record["skipped_steps"] = self.health.total
-        now = time.perf_counter()
-        record["tokens_per_s"] = tokens_per_step * (done - last_step) / (now - last_time)
-        record.update(self.data.loader_stats())
-        if evaluate:
-          record["eval_loss"] = self.evaluate()
-        last_time, last_step = time.perf_counter(), done
-        try:
-          self._writer.write(record)
-        except OSError as e:
-          raise not_written(e, self.workdir / "metrics.jsonl") from None
-        records.append(record)
+      if evaluate or done == end:
+        records.append(self._log(done, metrics, evaluate=bool(evaluate)))
+      elif done % cfg.train.log_every == 0 or done == first:
+        queued = (done, metrics)
       if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
         self.save()
       if done < end and signals is not None and signals.stop_requested(done):
+        if queued is not None:
+          records.append(self._log(*queued))
         self.save(waited=True)
         self.checkpointer.wait()
         raise Interrupted(done, signals.signum)
     return records
+
+  def _log(self, step: int, metrics: dict, evaluate: bool = False) -> dict:
+    """Step `step`'s record, written to metrics.jsonl: its metrics, the tokens/s since the last
+    record, the loader's figures, and the held-out loss when `evaluate`."""
+    self.health.check()
+    record = summarize(jax.device_get(metrics), step)
+    record["skipped_steps"] = self.health.total
+    (since, since_step), now = self._since, time.perf_counter()
+    tokens = self.config.train.batch_size * self.config.data.seq_len * (step - since_step)
+    record["tokens_per_s"] = tokens / (now - since)
+    record.update(self.data.loader_stats())
+    if evaluate:
+      record["eval_loss"] = self.evaluate()
+    self._since = (time.perf_counter(), step)
+    try:
+      self._writer.write(record)
+    except OSError as e:
+      raise not_written(e, self.workdir / "metrics.jsonl") from None
+    return record
 
   def run(self) -> list[dict]:
     """The command line's run: to `train.steps`, a checkpoint at the end; SIGTERM or SIGINT save
