@@ -18,16 +18,24 @@ Adam without weight decay, no gradient clipping, mock data). Read here as:
   DeepEP dispatcher's pattern).
 - batch 512 sequences of 4096 in micro-batches of 64 (one per data-parallel rank, MBS 1): 8
   micro-batches, one pipeline pass (AutoModel: GA 1).
-- `train.remat=full` (activation checkpointing of every block); bf16 parameters, moments and
-  compute: the published rows are "BF16" and AutoModel builds the model in bf16, whose Adam then
-  keeps bf16 moments (an assumption: the recipe does not set the dtypes itself).
+- the recipe's activation checkpointing as `train.remat=none`: under jmoe's interleaved schedule
+  each backward slot already recomputes its stage visit's forward pass from the visit's input
+  (the stage keeps only those inputs between its slots), which is the work checkpointing every
+  layer costs; `remat=full` would recompute each layer a second time inside the slot (all-to-all
+  585.8 against 441.5 GiB per GPU and step, 2.93 against 2.21 times the routed copies, and a
+  fifth more expert and attention work; `scripts/comm_volume.py`, 2026-12-04). The price is one
+  visit's layer activations held during its backward slot: the estimate 72.4 GiB against 51.9.
+- bf16 parameters, moments and compute: the published rows are "BF16" and AutoModel builds the
+  model in bf16, whose Adam then keeps bf16 moments (an assumption: the recipe does not set the
+  dtypes itself).
 - `moe.router.force_balanced`, as AutoModel's `fake_balanced_gate`; grad_clip 0, weight decay 0.
 - no multi-token prediction module (`model.mtp_depth=0`): AutoModel's DeepSeek-V3, like
   transformers', has none (an assumption from the model code, not stated in the table).
 The schedule is the published one, interleaved 1F1B (`pipeline_schedule=interleaved`): the
-estimate fits an H200 at 51.9 GiB (GPipe: 88.7, docs/MEMORY.md); XLA's figure, compiled for 256
-mocked H200s with cuDNN's attention (2026-12-03), is 64.7 GiB (before jmoe stopped replicating
-a micro-batch its stage x FSDP devices do not divide: 201.8 under GPipe with XLA's attention).
+estimate fits an H200 at 72.4 GiB (GPipe: 88.7, docs/MEMORY.md); XLA's figure, compiled for 256
+mocked H200s with cuDNN's attention (2026-12-03, with `remat=full`, before jmoe stopped
+replicating a micro-batch its stage x FSDP devices do not divide), was 64.7 GiB against that
+estimate's 51.9; this plan's `remat=none` has not been compiled for mocked GPUs yet.
 
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_256gpu.py --devices 256
   python scripts/estimate_memory.py --config configs/plans/deepseek_v3_256gpu.py --compare \
@@ -50,7 +58,7 @@ def get_config():
   c.parallel.expert.update(data=1, expert=64, tensor=1)
   c.moe.dispatcher = "alltoall"
   c.moe.router.force_balanced = True
-  c.train.update(batch_size=512, micro_batch_size=64, remat="full", grad_clip=0.0,
+  c.train.update(batch_size=512, micro_batch_size=64, remat="none", grad_clip=0.0,
                  weight_decay=0.0)
   c.precision.update(params="bfloat16", moments="bfloat16", compute="bfloat16")
   c.data.seq_len = 4096

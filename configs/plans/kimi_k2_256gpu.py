@@ -17,11 +17,16 @@ without weight decay, mock data). Read here as:
   micro-batches in one pipeline pass. AutoModel runs them as two passes of 8 (LBS 8, GA 2); jmoe
   accumulates gradients over micro-batches only through its one pipelined pass (under the
   interleaved schedule the stage inputs in flight are bounded by the stages, not the 16).
-- `train.remat=full`; bf16 parameters, moments and compute (the published rows are "BF16"; the
-  dtypes of the optimizer's state are an assumption, as for configs/plans/deepseek_v3_256gpu.py).
+- the recipe's activation checkpointing as `train.remat=none`, for the reason
+  configs/plans/deepseek_v3_256gpu.py gives (the interleaved schedule's backward slots recompute
+  each stage visit once already; `remat=full`: all-to-all 616.8 against 466.4 GiB per GPU and
+  step, 3.03 against 2.29 times the routed copies; the estimate 81.9 GiB against 72.4).
+- bf16 parameters, moments and compute (the published rows are "BF16"; the dtypes of the
+  optimizer's state are an assumption, as for configs/plans/deepseek_v3_256gpu.py).
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
-The schedule is the published one, interleaved 1F1B: the estimate fits an H200 at 72.4 GiB; XLA,
-compiling for 256 mocked H200s (`--compare --mock-gpus 256`, 2026-12-03), at 79.7 GiB.
+The schedule is the published one, interleaved 1F1B: the estimate fits an H200 at 81.9 GiB; XLA,
+compiling for 256 mocked H200s (`--compare --mock-gpus 256`, 2026-12-03, with `remat=full`,
+whose estimate was 72.4), at 79.7 GiB; `remat=none` has not been compiled for mocked GPUs yet.
 Under GPipe it does not (201.3 GiB, docs/MEMORY.md: circular GPipe keeps each iteration's layer
 weights for the backward pass).
 
@@ -43,7 +48,7 @@ def get_config():
   c.parallel.expert.update(data=1, expert=32, tensor=1)
   c.moe.dispatcher = "alltoall"
   c.moe.router.force_balanced = True
-  c.train.update(batch_size=512, micro_batch_size=32, remat="full", grad_clip=0.0,
+  c.train.update(batch_size=512, micro_batch_size=32, remat="none", grad_clip=0.0,
                  weight_decay=0.0)
   c.precision.update(params="bfloat16", moments="bfloat16", compute="bfloat16")
   c.data.seq_len = 4096

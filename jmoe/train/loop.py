@@ -283,6 +283,13 @@ def log_pipeline(config: Config, layout) -> None:
            "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
            layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
            slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
+  if sched.kind != "gpipe" and config.train.remat != "none":
+    log.info("pipeline: train.remat=%s under %s: each backward slot recomputes its stage's "
+             "forward pass from the stage's input, and inside it the policy recomputes what it "
+             "does not keep a second time; train.remat=none recomputes once (the least work) and "
+             "keeps one stage visit's activations during its backward slot "
+             "(scripts/estimate_memory.py says whether they fit)",
+             config.train.remat, sched.kind)
 
 
 def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
