@@ -25,7 +25,10 @@ runs the training command's own loop (jmoe.train's `Trainer`: the data pipeline,
 checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir and adds its
 tokens/s, counted over the whole run (saves and the last save's wait included), beside the bare
 step's; and the bare step once more on the loop's last state (`loop_end_bare_step_ms`: a step's
-time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps.
+time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps,
+and in the middle of each third of the run on a copy of its state (`loop_probe_bare_step_ms`),
+whose mean `loop_steps_vs_mean_step` compares them with: the bare step over the same states
+(scripts/loop_timing.py).
 `--record FILE` appends the result to FILE as one JSON line.
 """
 
@@ -41,6 +44,7 @@ import sys
 import time
 
 from gpu_clocks import GpuClocks
+from loop_timing import loop_figures
 
 DATASHEET_TFLOPS = 989.0  # H100/H200 SXM, dense bf16
 # Device kernels by name, for the time breakdown of a profiled step (first match wins).
@@ -92,58 +96,6 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
           "top_kernels": [[n[:90], round(us / total, 4), sources.get(n.replace(".", "_"), "")]
                           for n, us in by_name.most_common(40)]}
-
-
-def loop_figures(config, steps: int, warmup: int) -> dict:
-  """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
-  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save
-  (and, apart, up to the end of the last step). Then the bare step again, timed as the bench
-  times it but on the loop's last state and a batch of its data: a step's time changes as the
-  model trains (the routing's balance), so this, not the bench's first steps, is what the loop
-  itself adds to."""
-  import dataclasses
-  import tempfile
-  import jax
-  from jmoe.train.loop import Trainer
-  config = dataclasses.replace(config, train=dataclasses.replace(
-      config.train, steps=max(config.train.steps, warmup + steps)))
-  with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
-    with Trainer(config, workdir, progress=False) as trainer:
-      trainer.train(warmup)
-      jax.block_until_ready(trainer.state)
-      t0 = time.perf_counter()
-      records = trainer.train(steps)
-      jax.block_until_ready(trainer.state)
-      stepped = time.perf_counter() - t0
-      trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
-      trainer.checkpointer.wait()
-      seconds = time.perf_counter() - t0
-      saves = len(trainer.checkpointer.all_steps())
-      state, batch = trainer.state, trainer.data.next_batch()
-      for _ in range(warmup):
-        state, _ = trainer._step_fn(state, batch)
-      jax.block_until_ready(state)
-      with GpuClocks() as clocks:
-        t1 = time.perf_counter()
-        for _ in range(max(warmup, 5)):
-          state, _ = trainer._step_fn(state, batch)
-        jax.block_until_ready(state)
-        bare_s = (time.perf_counter() - t1) / max(warmup, 5)
-      trainer.state = state
-  tokens = config.train.batch_size * config.data.seq_len * steps
-  intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
-  return {"loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
-          "loop_checkpoints": saves, "loop_step_ms": round(seconds / steps * 1e3, 2),
-          "loop_tokens_per_s": round(tokens / seconds),
-          # the same to the end of the last step, without the last checkpoint's write
-          "loop_tokens_per_s_steps": round(tokens / stepped),
-          "loop_last_write_s": round(seconds - stepped, 1),
-          "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
-          if intervals else None,
-          "loop_end_bare_step_ms": round(bare_s * 1e3, 2),
-          "loop_end_bare_tokens_per_s": round(config.train.batch_size * config.data.seq_len
-                                              / bare_s),
-          **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:

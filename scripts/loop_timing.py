@@ -1,0 +1,102 @@
+"""`scripts/benchmark.py --loop`: the training command's own loop timed beside the bare step.
+
+A step's time changes as the model trains (on one H200 the Qwen3 bench's step went from about
+148 to 162 ms over 600 steps: the card runs at its power cap, and a trained state's GEMMs draw
+more power than the first steps'), so the bench's step, timed from initialization, is not what
+a 600-step loop can reach whatever the loop adds. `loop_figures` therefore also times the bare
+step, as the bench times it, on the loop's own states: in the middle of each of `probes` equal
+parts of the run (on a copy of the state, so that the loop goes on from where it was) and on its
+last state. The mean of the middle ones is the bare step averaged over the run (the midpoint
+rule), the reference the loop's tokens/s is compared with (`loop_steps_vs_mean_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+import time
+
+from gpu_clocks import GpuClocks
+
+
+def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
+  """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
+  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save
+  (and, apart, up to the end of the last step); the bare step on the loop's states (above).
+  The probes' time is not the loop's; each takes one batch of the loop's data."""
+  import jax
+  from jmoe.train.loop import Trainer
+  config = dataclasses.replace(config, train=dataclasses.replace(
+      config.train, steps=max(config.train.steps, warmup + steps)))
+  tokens_per_step = config.train.batch_size * config.data.seq_len
+  marks = sorted({max(1, round(steps * (2 * i + 1) / (2 * probes))) for i in range(probes)}
+                 | {steps}) if probes else [steps]
+  middle, records, stepped, done = [], [], 0.0, 0
+  with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
+    with Trainer(config, workdir, progress=False) as trainer:
+      trainer.train(warmup)
+      jax.block_until_ready(trainer.state)
+      for mark in marks:
+        t0 = time.perf_counter()
+        records += trainer.train(mark - done)
+        jax.block_until_ready(trainer.state)
+        stepped += time.perf_counter() - t0
+        done = mark
+        if mark < steps:
+          middle.append(bare_step_s(trainer, warmup, keep=False)[0])
+      t0 = time.perf_counter()
+      trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
+      trainer.checkpointer.wait()
+      last_write = time.perf_counter() - t0
+      saves = len(trainer.checkpointer.all_steps())
+      end_s, clocks = bare_step_s(trainer, warmup, keep=True)
+  seconds = stepped + last_write
+  tokens = tokens_per_step * steps
+  intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
+  figures = {
+      "loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
+      "loop_checkpoints": saves, "loop_step_ms": round(seconds / steps * 1e3, 2),
+      "loop_tokens_per_s": round(tokens / seconds),
+      # the same to the end of the last step, without the last checkpoint's write
+      "loop_tokens_per_s_steps": round(tokens / stepped),
+      "loop_last_write_s": round(last_write, 1),
+      "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
+      if intervals else None,
+      "loop_end_bare_step_ms": round(end_s * 1e3, 2),
+      "loop_end_bare_tokens_per_s": round(tokens_per_step / end_s),
+      **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}
+  if middle:
+    mean_s = sum(middle) / len(middle)
+    figures.update({
+        "loop_probe_steps": [warmup + m for m in marks[:-1]],
+        "loop_probe_bare_step_ms": [round(s * 1e3, 2) for s in middle],
+        "loop_mean_bare_step_ms": round(mean_s * 1e3, 2),
+        "loop_steps_vs_mean_step": round(tokens / stepped / (tokens_per_step / mean_s), 3),
+        "loop_vs_mean_step": round(tokens / seconds / (tokens_per_step / mean_s), 3)})
+  return figures
+
+
+def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[float, GpuClocks]:
+  """Seconds per step of the trainer's compiled step on its current state and the next batch of
+  its data, timed as the bench times it (`warmup` steps first, one sync at the end), and the
+  GPUs' clocks meanwhile. `keep`: the trainer goes on from the state reached; else the steps run
+  on a copy (one more state on the device for the while)."""
+  import jax
+  import jax.numpy as jnp
+  batch = trainer.data.next_batch()
+  state = trainer.state if keep else jax.tree.map(jnp.copy, trainer.state)
+  for _ in range(warmup):
+    state, _ = trainer._step_fn(state, batch)
+  jax.block_until_ready(state)
+  with GpuClocks() as clocks:
+    t0 = time.perf_counter()
+    for _ in range(max(warmup, repeats)):
+      state, _ = trainer._step_fn(state, batch)
+    jax.block_until_ready(state)
+    seconds = (time.perf_counter() - t0) / max(warmup, repeats)
+  if keep:
+    trainer.state = state
+  else:
+    for x in jax.tree.leaves(state):
+      x.delete()
+  return seconds, clocks
