@@ -22,8 +22,9 @@ fields `peer`, `peer_step_ms`, ..., `vs_peer`), `--peer torchtitan` torchtitan's
 (scripts/titan_peer.py, with `--balanced` its forced balance; fields `peer_torchtitan`,
 `peer_torchtitan_step_ms`, ..., `vs_peer_torchtitan`), `--peer all` both. `--loop STEPS` then
 runs the training command's own loop (jmoe.train's `Trainer`: the data pipeline, metrics, health
-checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir and adds its
-tokens/s, counted over the whole run (saves and the last save's wait included), beside the bare
+checks and checkpoints as the config sets them) for STEPS steps in a temporary workdir, as
+`--config.train.steps=STEPS` would, and adds its tokens/s after the first `--warmup` steps,
+counted over the rest of the run (saves and the last save's wait included), beside the bare
 step's; and the bare step once more on the loop's last state (`loop_end_bare_step_ms`: a step's
 time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps,
 and in the middle of each third of the run on a copy of its state (`loop_probe_bare_step_ms`),
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
+  if args.loop is not None and args.loop <= args.warmup:
+    parser.error(f"--loop {args.loop} leaves no step to time after --warmup {args.warmup}")
   refused = run(lambda: check_outputs(args))  # before anything is compiled or timed
   if refused:
     return refused

@@ -20,17 +20,20 @@ from gpu_clocks import GpuClocks
 
 
 def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
-  """jmoe.train's loop on `config` in a temporary workdir: `warmup` steps, then `steps` timed
-  ones with their logging and checkpoints (`checkpoint.every`), up to the end of the last save
-  (and, apart, up to the end of the last step); the bare step on the loop's states (above).
-  The probes' time is not the loop's; each takes one batch of the loop's data."""
+  """jmoe.train's loop on `config` in a temporary workdir, as `--config.train.steps=STEPS` runs
+  it (its checkpoints at the same steps): `steps` steps with their logging and checkpoints
+  (`checkpoint.every`), then the run's last save; the first `warmup` of them untimed, the rest timed up to the end of the last save (and,
+  apart, up to the end of the last step); the bare step on the loop's states (above). The
+  probes' time is not the loop's; each takes one batch of the loop's data."""
   import jax
   from jmoe.train.loop import Trainer
+  # (the learning-rate schedule's horizon stays the config's where it is longer)
   config = dataclasses.replace(config, train=dataclasses.replace(
-      config.train, steps=max(config.train.steps, warmup + steps)))
+      config.train, steps=max(config.train.steps, steps)))
   tokens_per_step = config.train.batch_size * config.data.seq_len
-  marks = sorted({max(1, round(steps * (2 * i + 1) / (2 * probes))) for i in range(probes)}
-                 | {steps}) if probes else [steps]
+  timed = steps - warmup
+  marks = sorted({max(1, round(timed * (2 * i + 1) / (2 * probes))) for i in range(probes)}
+                 | {timed}) if probes else [timed]
   middle, records, stepped, done = [], [], 0.0, 0
   with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
     with Trainer(config, workdir, progress=False) as trainer:
@@ -42,20 +45,22 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
         jax.block_until_ready(trainer.state)
         stepped += time.perf_counter() - t0
         done = mark
-        if mark < steps:
+        if mark < timed:
           middle.append(bare_step_s(trainer, warmup, keep=False)[0])
       t0 = time.perf_counter()
-      trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
+      trainer.save(waited=True)  # the run's last checkpoint (none more where step `steps`
+      # already saved one), as the command ends with
       trainer.checkpointer.wait()
       last_write = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
       end_s, clocks = bare_step_s(trainer, warmup, keep=True)
   seconds = stepped + last_write
-  tokens = tokens_per_step * steps
+  tokens = tokens_per_step * timed
   intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
   figures = {
-      "loop_steps": steps, "loop_checkpoint_every": config.checkpoint.every,
-      "loop_checkpoints": saves, "loop_step_ms": round(seconds / steps * 1e3, 2),
+      "loop_steps": steps, "loop_timed_steps": timed,
+      "loop_checkpoint_every": config.checkpoint.every,
+      "loop_checkpoints": saves, "loop_step_ms": round(seconds / timed * 1e3, 2),
       "loop_tokens_per_s": round(tokens / seconds),
       # the same to the end of the last step, without the last checkpoint's write
       "loop_tokens_per_s_steps": round(tokens / stepped),
