@@ -241,10 +241,11 @@ def test_a_model_without_moe_layers_logs_only_finite_json(tmp_path):
 def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypatch):
   """The loop reads a logged step's metrics (a wait for the device) only after it has launched the
   next step, so the device is never idle while the host writes a record; the call's last step
-  is read at once. Records and their order are as before."""
+  and a logged step that saves (step 4) are read at once. Records and their order are as
+  before."""
   from jmoe.train import loop
   events = []
-  config = tiny_config(train=dict(steps=6, log_every=2))
+  config = tiny_config(train=dict(steps=6, log_every=2), checkpoint=dict(every=4))
   with loop.Trainer(config, tmp_path, progress=False) as trainer:
     step_fn = trainer._step_fn
 
@@ -262,6 +263,6 @@ def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypa
   assert [r["step"] for r in records] == [1, 2, 4, 6]
   assert all(r["tokens_per_s"] > 0 for r in records)
   assert events == [("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2),
-                    ("launch", 4), ("launch", 5), ("read", 4), ("launch", 6), ("read", 6)]
+                    ("launch", 4), ("read", 4), ("launch", 5), ("launch", 6), ("read", 6)]
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 4, 6]

@@ -155,7 +155,7 @@ class Trainer:
 
     A logged step's metrics are read once the next step is queued behind it, so that the device
     never waits for the host to write a record and launch the next step; the call's last step,
-    and a step that evaluates, are read at once."""
+    a step that evaluates and a logged step that saves are read at once."""
     cfg = self.config
     end = cfg.train.steps if steps is None else self.step + steps
     records, first = [], self.step + 1
@@ -170,11 +170,14 @@ class Trainer:
         queued = None
       self.health.add(done, metrics["skipped"])
       evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
-      if evaluate or done == end:
+      saving = cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+      logged = done % cfg.train.log_every == 0 or done == first
+      if evaluate or done == end or (saving and logged):
+        # (before a save, which waits for the step anyway and may stop the run)
         records.append(self._log(done, metrics, evaluate=bool(evaluate)))
-      elif done % cfg.train.log_every == 0 or done == first:
+      elif logged:
         queued = (done, metrics)
-      if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+      if saving:
         self.save()
       if done < end and signals is not None and signals.stop_requested(done):
         if queued is not None:
