@@ -124,6 +124,30 @@ def test_grouped_fp8_gemm_against_float32_loop(kernels):
   np.testing.assert_array_equal(dw[1], 0)
 
 
+def test_fp8_weight_gradient_scale_comes_from_the_gradients_row_amaxes():
+  """The FP8 weight gradient quantizes dy with x's row scales folded in under one scale, taken
+  from dy's row amaxes rather than from a pass over the folded values: exactly the folded
+  values' amax (a positive scale keeps each row's largest entry the largest), so the gradient is
+  bit for bit the one computed from amax(folded), on rows whose magnitudes span 10^-6 to 10^6."""
+  from jmoe.ops.fp8 import E4M3 as Q4, E5M2 as Q5, amax, quantize, scale_for
+  from jmoe.ops.rows import row_groups
+  sizes = jnp.asarray([5, 0, 9, 3, 7])
+  x, w, dy = data((30, 32), (5, 32, 24), (30, 24), seed=3)
+  spread = 10.0 ** jax.random.uniform(jax.random.key(4), (30, 1), minval=-6, maxval=6)
+  x, dy = (x * spread).astype(jnp.bfloat16), (dy / spread).astype(jnp.bfloat16)
+  kernels = FP8_BACKENDS["ragged_dot"]
+  _, vjp = jax.vjp(lambda x, w: grouped_fp8(kernels, "e5m2", "fp8")(x, w, sizes), x,
+                   w.astype(jnp.bfloat16))
+  _, dw = vjp(dy)
+  scale_X1 = scale_for(amax(x, axis=1, keepdims=True), Q4)
+  in_groups = (row_groups(sizes, 30) < 5)[:, None]
+  folded = jnp.where(in_groups, dy, 0).astype(jnp.float32) * scale_X1
+  scale = scale_for(amax(folded), Q5)
+  want = kernels.contract(quantize(x, scale_X1, Q4), quantize(folded, scale, Q5), sizes)
+  want = jnp.where((sizes > 0)[:, None, None], want.astype(jnp.float32) * scale, 0)
+  np.testing.assert_array_equal(np.asarray(dw), np.asarray(want.astype(jnp.bfloat16)))
+
+
 def test_batched_fp8_gemm_against_float32():
   x, w, dy = data((4, 16, 32), (4, 32, 24), (4, 16, 24), seed=2)
   y, vjp = jax.vjp(batched_fp8("e5m2"), x, w)
