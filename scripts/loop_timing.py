@@ -22,9 +22,10 @@ from gpu_clocks import GpuClocks
 def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
   """jmoe.train's loop on `config` in a temporary workdir, as `--config.train.steps=STEPS` runs
   it (its checkpoints at the same steps): `steps` steps with their logging and checkpoints
-  (`checkpoint.every`), then the run's last save; the first `warmup` of them untimed, the rest timed up to the end of the last save (and,
-  apart, up to the end of the last step); the bare step on the loop's states (above). The
-  probes' time is not the loop's; each takes one batch of the loop's data."""
+  (`checkpoint.every`), then the run's last save; the first `warmup` of them untimed, the rest
+  timed up to the end of the last save (and, apart, up to the end of the last step); the bare
+  step on the loop's states (above). The probes' time is not the loop's; each takes one batch
+  of the loop's data."""
   import jax
   from jmoe.train.loop import Trainer
   # (the learning-rate schedule's horizon stays the config's where it is longer)
@@ -76,8 +77,9 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
         "loop_probe_steps": [warmup + m for m in marks[:-1]],
         "loop_probe_bare_step_ms": [round(s * 1e3, 2) for s in middle],
         "loop_mean_bare_step_ms": round(mean_s * 1e3, 2),
-        "loop_steps_vs_mean_step": round(tokens / stepped / (tokens_per_step / mean_s), 3),
-        "loop_vs_mean_step": round(tokens / seconds / (tokens_per_step / mean_s), 3)})
+        # the loop's tokens/s over the bare step's at its mean time: mean step x steps / time
+        "loop_steps_vs_mean_step": round(mean_s * timed / stepped, 3),
+        "loop_vs_mean_step": round(mean_s * timed / seconds, 3)})
   return figures
 
 
