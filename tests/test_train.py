@@ -238,6 +238,34 @@ def test_a_model_without_moe_layers_logs_only_finite_json(tmp_path):
     json.loads(line, parse_constant=refuse)
 
 
+def test_an_error_in_the_block_is_not_hidden_by_one_in_closing(tmp_path, monkeypatch, caplog):
+  """A full disk met by a save stops the run with the save's message; closing then meets the
+  same disk in the metrics' last write, and that second error is logged, not raised in place of
+  the first. Without an error under way, closing's own error is raised."""
+  import errno
+  from jmoe.config import ConfigError
+  from jmoe.train import loop
+  config = tiny_config()
+  full = OSError(errno.ENOSPC, "No space left on device")
+
+  def failing_close(writer):
+    close = writer.close
+
+    def close_on_a_full_disk():
+      close()
+      raise full
+    monkeypatch.setattr(writer, "close", close_on_a_full_disk)
+
+  with pytest.raises(ConfigError, match="saving the checkpoint of step 1"):
+    with loop.Trainer(config, tmp_path / "a", progress=False) as trainer:
+      failing_close(trainer._writer)
+      raise ConfigError("saving the checkpoint of step 1 failed")
+  assert "closing the run after the error below also failed" in caplog.text
+  with pytest.raises(ConfigError, match=r"cannot be written \(No space left on device\)"):
+    with loop.Trainer(config, tmp_path / "b", progress=False) as trainer:
+      failing_close(trainer._writer)
+
+
 def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypatch):
   """The loop reads a logged step's metrics (a wait for the device) only after it has launched the
   next step, so the device is never idle while the host writes a record; the call's last step

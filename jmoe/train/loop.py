@@ -145,8 +145,16 @@ class Trainer:
   def __enter__(self) -> "Trainer":
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, exc_type, exc, traceback) -> None:
+    """Closes the trainer; when the block raised, what closing raises (most often the same
+    full disk, met again by the metrics' last write) is logged and the block's error goes on,
+    since it names the cause."""
+    try:
+      self.close()
+    except Exception as e:  # noqa: BLE001 - raised unless the block's error is under way
+      if exc is None:
+        raise
+      log.warning("closing the run after the error below also failed: %s", e)
 
   def train(self, steps: int | None = None, *, signals: StopSignals | None = None) -> list[dict]:
     """Runs `steps` more steps (default: up to `train.steps`), logging every `train.log_every`,
