@@ -266,6 +266,38 @@ def test_an_error_in_the_block_is_not_hidden_by_one_in_closing(tmp_path, monkeyp
       failing_close(trainer._writer)
 
 
+def test_a_full_disk_met_by_the_metrics_names_the_save_that_filled_it(tmp_path, monkeypatch):
+  """A save in the background fails on a full disk; the next record's write meets the same disk
+  before the save's failure is read: the error raised is the save's (which says what is kept),
+  not the metrics file's."""
+  import errno
+  from jmoe.config import ConfigError
+  from jmoe.train import loop
+  config = tiny_config(train=dict(log_every=1), checkpoint=dict(every=1, async_save=True))
+  full = OSError(errno.ENOSPC, "No space left on device")
+
+  def fail(*args, **kwargs):
+    raise full
+
+  with loop.Trainer(config, tmp_path, progress=False) as trainer:
+    manager = trainer.checkpointer._manager  # Orbax's: the write after the save's start fails
+    save, finish, started = manager.save, manager.wait_until_finished, []
+
+    def save_then_fail(*args, **kwargs):  # the next wait for it raises, once
+      save(*args, **kwargs)
+      started.append(True)
+
+    monkeypatch.setattr(manager, "save", save_then_fail)
+    monkeypatch.setattr(manager, "wait_until_finished",
+                        lambda: finish() or (fail() if started and started.pop() else None))
+    write = trainer._writer.write
+    monkeypatch.setattr(trainer._writer, "write",
+                        lambda record: fail() if record["step"] > 1 else write(record))
+    with pytest.raises(ConfigError, match=r"saving the checkpoint of step 1 in .* failed "
+                                          r"\(OSError: \[Errno 28\] No space left"):
+      trainer.train()
+
+
 def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypatch):
   """The loop reads a logged step's metrics (a wait for the device) only after it has launched the
   next step, so the device is never idle while the host writes a record; the call's last step

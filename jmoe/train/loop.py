@@ -211,6 +211,9 @@ class Trainer:
     try:
       self._writer.write(record)
     except OSError as e:
+      # A save in the background may have filled the disk: its failure, if so, says more
+      # (which checkpoint is kept).
+      self.checkpointer.wait()
       raise not_written(e, self.workdir / "metrics.jsonl") from None
     return record
 
