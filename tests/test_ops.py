@@ -26,6 +26,49 @@ def test_linear_cross_entropy_is_the_loss_of_the_full_logits(chunks):
   assert np.all(np.asarray(dh)[~np.asarray(mask_BS)] == 0)
 
 
+@pytest.mark.parametrize("splits", [(8, 1), (4, 2), (3, 1)])
+def test_the_head_gradient_summed_over_devices_once_whatever_the_chunks(splits):
+  """The batch split over 8 devices (or over 4 and the positions over 2): each device keeps its
+  own partial sum of the head's gradient across the chunks, and the partials are summed once,
+  so the bytes crossing devices do not grow with the chunks. The gradients are those of the
+  whole logits on one device. (3, 1) does not divide the devices' split: still exact."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jmoe.memory.traffic import collective_traffic
+  mesh = jax.make_mesh((4, 2), ("b", "s"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  batch_axes, seq_axes = (("b", "s"), None) if splits[1] == 1 else ("b", "s")
+  keys = jax.random.split(jax.random.key(1), 4)
+  h_BSD = jax.random.normal(keys[0], (24, 32, 16))
+  w_DV = jax.random.normal(keys[1], (16, 256))
+  targets_BS = jax.random.randint(keys[2], (24, 32), 0, 256)
+  mask_BS = jax.random.bernoulli(keys[3], 0.8, (24, 32))
+  specs = {"batch": batch_axes if splits != (3, 1) else None, "seq": seq_axes, "vocab": None}
+
+  def place(x, axes):
+    spec = P(*(specs.get(a) if a else None for a in axes))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  def grads(chunks, splits):
+    loss = lambda h, w: linear_cross_entropy(place(h, ("batch", "seq", None)), w, targets_BS,
+                                             mask_BS, chunks=chunks, place=place, splits=splits)
+    return jax.jit(jax.grad(loss, (0, 1)))
+
+  plain = lambda h, w: cross_entropy_sum(jnp.einsum("bsd,dv->bsv", h, w), targets_BS, mask_BS)
+  expected = jax.grad(plain, (0, 1))(h_BSD, w_DV)
+  if splits == (3, 1):  # the batch's 24 rows in 3 parts, on one device: only the result counts
+    for a, b in zip(grads(4, splits)(h_BSD, w_DV), expected):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    return
+  reduced = []
+  for chunks in (1, 4):
+    step = grads(chunks, splits)
+    for a, b in zip(step(h_BSD, w_DV), expected):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    traffic = collective_traffic(step.lower(h_BSD, w_DV).compile().as_text(), 8).every_step
+    reduced.append(traffic["all-reduce"] + traffic["reduce-scatter"])
+  head = 16 * 256 * 4
+  assert reduced[0] == reduced[1] <= 2 * head * 7 / 8, reduced  # one all-reduce, at most
+
+
 def test_chunks_keep_the_logits_small():
   assert num_chunks(2, 4096, 151936) == 8  # [2, 512, V] float32: 0.6 GiB a chunk
   assert num_chunks(2, 64, 100) == 1

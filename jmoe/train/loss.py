@@ -11,7 +11,7 @@ from jmoe.config import BalanceConfig
 from jmoe.model.transformer import LOGITS_AXES
 from jmoe.moe import RouterStats
 from jmoe.ops.cross_entropy import linear_cross_entropy
-from jmoe.parallel import active_layout, constrain
+from jmoe.parallel import active_layout, constrain, split_count
 
 
 def cross_entropy_sum(logits_BSV: jax.Array, targets_BS: jax.Array,
@@ -86,14 +86,21 @@ def target_counts(batch: dict, depth: int) -> dict[str, jax.Array]:
           "mtp": jnp.maximum(jnp.sum(mtp_BLS, axis=(0, 2)), 1).astype(jnp.float32)}
 
 
+_LOGICAL = dict(zip(("batch", "seq", "vocab"), LOGITS_AXES))
+
+
 def head_nll(head_DV: jax.Array) -> NllSum:
   """The LM head and the summed loss of hidden states, a chunk at a time, the logits split over
-  all the active layout's devices."""
+  all the active layout's devices, the head's gradient summed over them once."""
+  def place(x, axes):
+    return constrain(x, tuple(_LOGICAL.get(a) for a in axes))
+
   def nll_sum(h_BSD, targets_BS, mask_BS):
     layout = active_layout()
-    return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS,
-                                constrain=lambda x: constrain(x, LOGITS_AXES),
-                                devices=layout.mesh.size if layout else 1)
+    shape = (*targets_BS.shape, head_DV.shape[1])
+    splits = (split_count(LOGITS_AXES, shape, 0), split_count(LOGITS_AXES, shape, 1))
+    return linear_cross_entropy(h_BSD, head_DV, targets_BS, mask_BS, place=place,
+                                splits=splits, devices=layout.mesh.size if layout else 1)
   return nll_sum
 
 
