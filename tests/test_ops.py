@@ -69,6 +69,40 @@ def test_the_head_gradient_summed_over_devices_once_whatever_the_chunks(splits):
   assert reduced[0] == reduced[1] <= 2 * head * 7 / 8, reduced  # one all-reduce, at most
 
 
+def test_the_head_gradient_crosses_the_devices_in_the_weights_dtype():
+  """With bfloat16 weights the partial sums (float32 over the chunks on each device) are summed
+  over the devices in bfloat16, as the other weights' gradients are: half the bytes of
+  float32. The gradient is float32's up to bfloat16's rounding."""
+  import pathlib
+  import tempfile
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jmoe.memory.traffic import collective_traffic
+  mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+  keys = jax.random.split(jax.random.key(2), 3)
+  h_BSD = jax.random.normal(keys[0], (16, 32, 16)).astype(jnp.bfloat16)
+  w_DV = jax.random.normal(keys[1], (16, 256)).astype(jnp.bfloat16)
+  targets_BS = jax.random.randint(keys[2], (16, 32), 0, 256)
+
+  def place(x, axes):
+    spec = P(*("b" if a == "batch" else None for a in axes))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  loss = lambda w: linear_cross_entropy(place(h_BSD, ("batch", None, None)), w, targets_BS,
+                                        chunks=4, place=place, splits=(8, 1))
+  step = jax.jit(jax.grad(loss))
+  with tempfile.TemporaryDirectory() as directory:  # (XLA's CPU collectives run in float32)
+    compiled = step.lower(w_DV).compile({"xla_dump_to": directory, "xla_dump_hlo_as_text": True,
+                                         "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    partitioned = next(pathlib.Path(directory).glob("*after_spmd-partitioning*.txt")).read_text()
+  traffic = collective_traffic(compiled.as_text(), 8, partitioned).every_step
+  assert traffic["all-reduce"] + traffic["reduce-scatter"] <= 2 * 16 * 256 * 2 * 7 / 8, traffic
+  plain = lambda w: cross_entropy_sum(jnp.einsum("bsd,dv->bsv", h_BSD.astype(jnp.float32), w),
+                                      targets_BS)
+  expected = jax.grad(plain)(w_DV.astype(jnp.float32))
+  error = jnp.linalg.norm(step(w_DV).astype(jnp.float32) - expected) / jnp.linalg.norm(expected)
+  assert error < 1e-2, error
+
+
 def test_chunks_keep_the_logits_small():
   assert num_chunks(2, 4096, 151936) == 8  # [2, 512, V] float32: 0.6 GiB a chunk
   assert num_chunks(2, 64, 100) == 1

@@ -14,7 +14,8 @@ positions of every chunk). `place` pins each chunk's logits as the caller's layo
 The head's weight gradient is a sum over every token, and the tokens are split over devices: summed
 per chunk, it would cross the devices once per chunk. So each device keeps its own partial sum
 over the chunks (one [D, V] float32 accumulator per part of the batch and positions, `splits`), and
-the parts are summed once, after the last chunk.
+the parts are summed once, after the last chunk, in the weight's dtype (as the other weights'
+gradients are summed over devices).
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ def _backward(chunks, splits, place, residuals, g):
         lse_nBc)
   zeros = place_partial(jnp.zeros((pb, pc, *w_DV.shape), jnp.float32))
   dw_PQDV, dh_nBcD = jax.lax.scan(chunk, zeros, xs)
-  # (one sum over all the parts: summed over one axis, then the other, it takes two reductions)
-  dw_DV = dw_PQDV.reshape(pb * pc, *w_DV.shape).sum(0)
-  return _unchunked(dh_nBcD), dw_DV.astype(w_DV.dtype), None, None
+  # The parts summed in the weight's dtype, as the other weights' gradients are (over the
+  # parts at once: summed over one axis, then the other, it takes two reductions).
+  parts_PDV = dw_PQDV.astype(w_DV.dtype).reshape(pb * pc, *w_DV.shape)
+  dw_DV = jax.lax.reduce(parts_PDV, jnp.zeros((), w_DV.dtype), jax.lax.add, (0,))
+  return _unchunked(dh_nBcD), dw_DV, None, None
 
 
 _nll_sum.defvjp(_forward, _backward)
