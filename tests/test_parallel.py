@@ -81,6 +81,21 @@ def test_alltoall_later_rounds_match_single_device(name, reference):
   assert_matches(loss, grads, ref_loss, ref_grads)
 
 
+@pytest.mark.parametrize("dispatcher, factor", [("alltoall", 1.0), ("alltoall", 1.25),
+                                               ("allgather", 1.25)])
+def test_remat_keeping_the_exchanges_matches_single_device(dispatcher, factor, reference):
+  """`train.remat=exchanges`: the backward pass recomputes each layer from the token rows the
+  exchanges received (kept), later rounds included (factor 1.0 overflows the first round)."""
+  dense, expert = LAYOUTS["tp4_ep4_etp2"]
+  config = tiny_config(model=MODEL, train=dict(remat="exchanges"),
+                       moe=dict(dispatcher=dispatcher, dispatch_factor=factor),
+                       parallel=dict(dense=dense, expert=expert))
+  loss, metrics, grads = loss_and_grads(config, jax.devices())
+  assert factor > 1 or metrics["overflow_rounds"] > 0
+  ref_loss, _, ref_grads = reference
+  assert_matches(loss, grads, ref_loss, ref_grads)
+
+
 def assert_matches(loss, grads, ref_loss, ref_grads):
   """Loss to 1e-5 and gradients to 1e-4 relative (absolute: 1e-5 of the largest gradient)."""
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

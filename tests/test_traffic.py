@@ -92,6 +92,18 @@ def test_alltoall_sends_the_dispatch_factor_times_the_routed_rows():
   assert "all-to-all" not in worst["per_overflow_round"]  # every load fits: no later round
 
 
+def test_remat_keeping_the_exchanges_sends_the_rows_once():
+  """`train.remat=full` and `attention_moe` run each MoE layer's forward again in the backward
+  pass, its two exchanges included (1.25 x 1.5 the routed rows); `exchanges` keeps what they
+  received and sends what `none` does."""
+  ratio = {}
+  for remat in ("none", "full", "attention_moe", "exchanges"):
+    config = tiny(f"train.remat={remat}")
+    ratio[remat] = communication(config, make_layout(config.parallel))["all_to_all_over_routed"]
+  assert ratio["full"] == ratio["attention_moe"] == pytest.approx(1.25 * 1.5, rel=0.01)
+  assert ratio["exchanges"] == ratio["none"] == pytest.approx(1.25, rel=0.01)
+
+
 def test_allgather_dispatch_sends_no_all_to_all():
   config = tiny("moe.dispatcher=allgather")
   report = communication(config, make_layout(config.parallel))

@@ -271,7 +271,7 @@ class TrainConfig:
   max_bad_steps: int = 3
   eval_every: int = 0  # steps between evaluations on the held-out split (0: none)
   # What the backward pass recomputes (jmoe/ops/remat.py): none | full | dots | attention |
-  # attention_moe | attention_moe_experts | offload_attention_moe
+  # attention_moe | attention_moe_experts | exchanges | offload_attention_moe
   remat: str = "none"
 
   @property

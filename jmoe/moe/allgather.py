@@ -7,6 +7,8 @@ Simple and dropless; every device receives every token of its group, whatever th
 
 from __future__ import annotations
 
+from jax.ad_checkpoint import checkpoint_name
+
 from jmoe.moe.dispatch import LocalDispatcher
 from jmoe.ops.exchange import all_gather, reduce_scatter
 
@@ -21,7 +23,10 @@ class AllGatherDispatcher(LocalDispatcher):
     if not self._group:
       return x_TD, expert_ids_TK, weights_TK
     gather = all_gather(self._group)
-    return (all_gather(self._group, self.fp8)(x_TD), gather(expert_ids_TK), gather(weights_TK))
+    gathered = (all_gather(self._group, self.fp8)(x_TD), gather(expert_ids_TK),
+                gather(weights_TK))
+    # (named so that a remat policy may keep what crossed rather than gather it again)
+    return tuple(checkpoint_name(a, "moe_dispatched") for a in gathered)
 
   def _reduce(self, y_TD):
     # Sums the other devices' experts (and ETP partial sums), keeps this device's tokens.

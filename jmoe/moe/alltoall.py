@@ -31,6 +31,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.ad_checkpoint import checkpoint_name
 
 from jmoe.moe.combine import unsort, weighted_sum
 from jmoe.moe.dispatch import Dispatcher, Rows, rows_by_local_expert
@@ -148,8 +149,11 @@ class AllToAllDispatcher(Dispatcher):
     # How many of each block's rows go to each of the peer's experts (in expert order).
     taken_E = jnp.clip(jnp.minimum(routes.first_E + routes.count_E, first + block)
                        - jnp.maximum(routes.first_E, first), 0)
-    received_PD = all_to_all(self.axes.expert, self.fp8)(send_PD)
-    taken_PL = all_to_all(self.axes.expert)(taken_E.reshape(peers, self.num_local))
+    # (named so that a remat policy may keep what crossed rather than exchange it again)
+    received_PD = checkpoint_name(all_to_all(self.axes.expert, self.fp8)(send_PD),
+                                  "moe_dispatched")
+    taken_PL = checkpoint_name(all_to_all(self.axes.expert)(
+        taken_E.reshape(peers, self.num_local)), "moe_dispatched")
     # Empty rows get the id `num_local`, the group the GEMMs skip.
     local_P = jax.vmap(row_groups, in_axes=(0, None))(taken_PL, block).reshape(-1)
     rows, s = rows_by_local_expert(received_PD, local_P[:, None], self.num_local, mean_rows)
@@ -158,7 +162,8 @@ class AllToAllDispatcher(Dispatcher):
   def _back(self, y_XD, order_P, inverse_P, slot_X, source_P):
     """A round's expert outputs back to this device, in copy order (zeros for copies of other
     rounds)."""
-    y_PD = all_to_all(self.axes.expert)(unsort(y_XD, order_P, inverse_P))
+    y_PD = checkpoint_name(all_to_all(self.axes.expert)(unsort(y_XD, order_P, inverse_P)),
+                           "moe_returned")
     return move_rows(y_PD, slot_X, source_P)
 
   def _late_round(self, x_TD, weights, routes: Routes, r, experts: Experts, mean_rows: float):

@@ -2,8 +2,15 @@
 
 The names are `jax.ad_checkpoint.checkpoint_name` points in the model: "attention_out" (the
 attention kernel's output, so the kernel never reruns), "moe_input" (the normed input of the MoE
-layer, before routing and dispatch) and "expert_hidden" (the experts' gated activations). The rest
-is recomputed. `REMAT_POLICIES` is the list of names `train.remat` may take.
+layer, before routing and dispatch), "expert_hidden" (the experts' gated activations), and
+"moe_dispatched" / "moe_returned" (the token rows an expert-parallel MoE layer received from the
+other devices, and its experts' results received back). The rest is recomputed.
+`REMAT_POLICIES` is the list of names `train.remat` may take.
+
+`exchanges` keeps only what crossed devices: the backward pass recomputes each layer (attention,
+router, experts) but sends no token rows beyond the gradients' own exchanges, where `full` and
+`attention_moe` send the forward's twice more. Its memory: each MoE layer's received and
+returned rows (about 2 x dispatch_factor x top_k x the tokens' rows with `alltoall`).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ REMAT_POLICIES = {
     "attention": _names("attention_out"),
     "attention_moe": _names("attention_out", "moe_input"),
     "attention_moe_experts": _names("attention_out", "moe_input", "expert_hidden"),
+    "exchanges": _names("moe_dispatched", "moe_returned"),
     # as attention_moe, but the saved tensors wait in host memory until the backward pass
     "offload_attention_moe": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=[], names_which_can_be_offloaded=["attention_out", "moe_input"],
