@@ -17,11 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PLANS = sorted(p.name for p in (ROOT / "configs" / "plans").glob("*.py"))
 H200_BYTES = 141e9
 # Strict: a plan listed here fails the day it fits, to move it back.
-DOES_NOT_FIT = {
-    "gpt_oss_120b_64gpu.py": "without recomputation each MoE layer keeps its all-to-all blocks "
-                             "(64 peers x 1.25 x the mean) for the backward pass: 149.5 GB "
-                             "(XLA on 64 mocked H200s: 146.7); remat=attention_moe fits (35.9)",
-}
+DOES_NOT_FIT: dict[str, str] = {}
 # One process of as many simulated devices as the largest plan: each plan takes the first of them.
 ESTIMATE_ALL = """
 import json, runpy, sys

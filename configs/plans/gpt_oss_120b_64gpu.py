@@ -1,6 +1,7 @@
 """GPT-OSS-120B on 64 GPUs (8 hosts of 8) as NeMo AutoModel's published pre-training row lays it
 out: everything FSDP over the 64 GPUs and the experts 64 ways, batch 512 x 4096 in 4
-micro-batches of 2 sequences per GPU, nothing recomputed, bf16 parameters and AdamW state.
+micro-batches of 2 sequences per GPU, bf16 parameters and AdamW state; everything recomputed but
+what the exchanges received (`train.remat=exchanges`), where AutoModel recomputes nothing.
 
 Where it comes from: AutoModel's performance summary (docs/performance-summary.md, 2025-10-02:
 DGX-H100, BF16; 64 GPUs, GBS 512, MBS 2, LBS 2, GA 4, TP 1, PP 1, CP 1, EP "-", FSDP 64; 4.30 s
@@ -10,13 +11,15 @@ checkpointing off, parameters resharded after the forward pass, DeepEP, FlexAtte
 balanced gate, Adam without weight decay, mock data). The table leaves EP blank while the recipe
 asks for 64: this plan follows the recipe (2 of the 128 experts per GPU, all-to-all dispatch).
 - batch 512 sequences of 4096, micro-batches of 128 (2 per GPU): 4 accumulated micro-batches;
-- `train.remat=none`; bf16 parameters, moments and compute (the published rows are "BF16"; the
-  dtypes of the optimizer's state are an assumption);
+- `train.remat=exchanges` (see below); bf16 parameters, moments and compute (the published rows
+  are "BF16"; the dtypes of the optimizer's state are an assumption);
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
-No pipeline stages: the schedule question does not arise. It does not fit an H200 (estimate
-139.2 GiB, XLA 136.7 on 64 mocked H200s; docs/MEMORY.md): without recomputation each MoE layer
-keeps its all-to-all blocks; `--config.train.remat=attention_moe` fits (33.5 GiB), as does one
-sequence per GPU (`--config.train.micro_batch_size=64`, 81.7 GiB).
+No pipeline stages: the schedule question does not arise. Recomputing nothing, as published, does
+not fit an H200 (`--config.train.remat=none`: estimate 139.2 GiB, XLA 136.7 on 64 mocked H200s;
+docs/MEMORY.md): each MoE layer keeps its all-to-all blocks and its activations. `exchanges`
+(estimate 45.5 GiB) keeps the blocks the exchanges received and recomputes the rest, so its
+exchanges send what recomputing nothing sends (124.9 GiB per GPU per step); `attention_moe`
+(35.9 GiB) exchanges every layer's rows again in the backward pass, 1.5 times as many.
 
   python scripts/estimate_memory.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64
   python scripts/comm_volume.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64
@@ -35,7 +38,7 @@ def get_config():
   c.parallel.expert.update(data=1, expert=64, tensor=1)
   c.moe.dispatcher = "alltoall"
   c.moe.router.force_balanced = True
-  c.train.update(batch_size=512, micro_batch_size=128, remat="none", grad_clip=0.0,
+  c.train.update(batch_size=512, micro_batch_size=128, remat="exchanges", grad_clip=0.0,
                  weight_decay=0.0)
   c.precision.update(params="bfloat16", moments="bfloat16", compute="bfloat16")
   c.data.seq_len = 4096
