@@ -19,7 +19,7 @@ not fit an H200 (`--config.train.remat=none`: estimate 139.2 GiB, XLA 136.7 on 6
 docs/MEMORY.md): each MoE layer keeps its all-to-all blocks and its activations. `exchanges`
 (estimate 45.5 GiB) keeps the blocks the exchanges received and recomputes the rest, so its
 exchanges send what recomputing nothing sends (124.9 GiB per GPU per step); `attention_moe`
-(35.9 GiB) exchanges every layer's rows again in the backward pass, 1.5 times as many.
+(33.4 GiB) exchanges every layer's rows again in the backward pass, 1.5 times as many.
 
   python scripts/estimate_memory.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64
   python scripts/comm_volume.py --config configs/plans/gpt_oss_120b_64gpu.py --devices 64

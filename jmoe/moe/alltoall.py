@@ -78,6 +78,10 @@ class AllToAllDispatcher(Dispatcher):
     if axes.tensor:
       x_TD, expert_ids_TK, weights_TK = map(all_gather(axes.tensor),
                                             (x_TD, expert_ids_TK, weights_TK))
+    # Kept with the rows they sent (remat `exchanges`): a recomputed routing that differed from
+    # the forward's in a near tie would send the kept rows' gradients to the wrong copies.
+    expert_ids_TK, weights_TK = (checkpoint_name(a, "moe_dispatched")
+                                 for a in (expert_ids_TK, weights_TK))
     routes = self._routes(expert_ids_TK.reshape(-1), max_rows_per_expert)
     rows, (slot_X, source_P, s) = self._round(x_TD, routes, 0, mean_rows)
     return rows, AllToAllContext(

@@ -132,9 +132,10 @@ def linear_cross_entropy(h_BSD: jax.Array, w_DV: jax.Array, targets_BS: jax.Arra
   devices' own split sums over the devices once rather than once per chunk)."""
   batch, seq = targets_BS.shape
   chunks = chunks or num_chunks(batch, seq, w_DV.shape[1], devices)
+  # A count that does not divide its axis cannot be the devices' split of it: one part there
+  # (the chunk's sum over that axis then crosses the devices, as before parts existed).
   pb, pc = splits
-  if batch % pb or (seq // chunks) % pc:  # (a chunk's positions not cut as the devices hold them)
-    splits = (math.gcd(batch, pb), math.gcd(seq // chunks, pc))
+  splits = (pb if batch % pb == 0 else 1, pc if (seq // chunks) % pc == 0 else 1)
   weight_BS = (jnp.ones(targets_BS.shape, jnp.float32) if mask_BS is None
                else mask_BS.astype(jnp.float32))
   return _nll_sum(h_BSD, w_DV, targets_BS, weight_BS, chunks, tuple(splits), place)
