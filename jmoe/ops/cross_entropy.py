@@ -138,4 +138,4 @@ def linear_cross_entropy(h_BSD: jax.Array, w_DV: jax.Array, targets_BS: jax.Arra
   splits = (pb if batch % pb == 0 else 1, pc if (seq // chunks) % pc == 0 else 1)
   weight_BS = (jnp.ones(targets_BS.shape, jnp.float32) if mask_BS is None
                else mask_BS.astype(jnp.float32))
-  return _nll_sum(h_BSD, w_DV, targets_BS, weight_BS, chunks, tuple(splits), place)
+  return _nll_sum(h_BSD, w_DV, targets_BS, weight_BS, chunks, splits, place)

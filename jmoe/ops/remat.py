@@ -5,15 +5,14 @@ attention kernel's output, so the kernel never reruns), "moe_input" (the normed 
 layer, before routing and dispatch), "expert_hidden" (the experts' gated activations), and
 "moe_dispatched" / "moe_returned" (the token rows an expert-parallel MoE layer received from the
 other devices with the routing that sent them, and its experts' results received back). The rest
-is recomputed.
-`REMAT_POLICIES` is the list of names `train.remat` may take.
+is recomputed. `REMAT_POLICIES` is the list of names `train.remat` may take.
 
 `exchanges` keeps only what crossed devices: the backward pass recomputes each layer (attention,
 router, experts) but sends no token rows beyond the gradients' own exchanges, where `full` and
 `attention_moe` send the forward's twice more. The kept rows go with the forward's routing (the
 experts and weights each copy was sent with, also kept), never with a recomputed one that a near
-tie could change. Its memory: each MoE layer's received and
-returned rows (about 2 x dispatch_factor x top_k x the tokens' rows with `alltoall`).
+tie could change. Its memory: each MoE layer's received and returned rows (about 2 x
+dispatch_factor x top_k x the tokens' rows with `alltoall`).
 """
 
 from __future__ import annotations
