@@ -346,3 +346,24 @@ def test_benchmark_reads_the_gpu_clocks_nvidia_smi_samples():
     with gpu_clocks.GpuClocks() as clocks:
       pass
     assert clocks.figures() == {}
+
+
+def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
+  small = ["--set", "train.warmup_steps=1", "--set", "model.num_layers=1", "--set",
+           "train.batch_size=4", "--set", "data.seq_len=32"]
+  result = subprocess.run(
+      [sys.executable, "scripts/loss_compare.py", "--config", "configs/tiny_moe.py", "--steps",
+       "4", *small, "--variant", "base=", "--variant", "again=train.lr=0.003",
+       "--variant", "other=train.lr=0.0003", "--record", str(tmp_path / "r.jsonl")],
+      cwd=ROOT, capture_output=True, text=True, timeout=240, env=command_env())
+  assert result.returncode == 0, result.stderr[-3000:]
+  base, again, other = (json.loads(l) for l in result.stdout.strip().splitlines())
+  assert [base["variant"], again["variant"], other["variant"]] == ["base", "again", "other"]
+  # the same settings (lr 3e-3 is the config's own) train to the same held-out loss
+  assert again["eval_loss"] == base["eval_loss"] and again["vs_first"] == 1.0
+  assert other["vs_first"] != 1.0 and other["overrides"][-1] == "train.lr=0.0003"
+  assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 3
+  bad = subprocess.run([sys.executable, "scripts/loss_compare.py", "--config",
+                        "configs/tiny_moe.py", "--variant", "noequals"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=command_env())
+  assert bad.returncode != 0 and "NAME=OVERRIDES" in bad.stderr

@@ -1,0 +1,97 @@
+"""Training loss of one config under several settings, each trained from the same start on the
+standard-library corpus: the held-out loss at the last step, the mean logged loss over the last
+half, and the tokens/s at the end. Made for FP8 against bf16 (docs/FP8.md), usable for any
+setting that should not change the loss.
+
+  python scripts/loss_compare.py --config configs/bench/mixtral_8x7b_1gpu.py --steps 200 \\
+      --variant bf16= \\
+      --variant fp8_experts=precision.gemm=fp8,precision.fp8_experts=true,precision.fp8_dense=false
+
+A variant is NAME=OVERRIDES (comma-separated dotted settings, none for the config as it is); the
+first is the reference the others are compared to. Each runs in a process of its own (so every
+run has the device to itself) through `jmoe.Trainer` with no checkpoint written, in a workdir
+that is removed after it. `--set` applies to every variant (for example train.seed=1). Prints one
+JSON line per variant, with `vs_first` the held-out loss's ratio to the first variant's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def variant(text: str) -> tuple[str, list[str]]:
+  name, sep, overrides = text.partition("=")
+  if not sep or not name:
+    raise argparse.ArgumentTypeError(f"--variant {text!r}: write NAME=OVERRIDES (NAME= for none)")
+  return name, [o for o in overrides.split(",") if o]
+
+
+def fixed(steps: int) -> list[str]:
+  """The settings every variant shares: the corpus, one evaluation at the end, no saves."""
+  return ["data.source=stdlib", f"train.steps={steps}", f"train.eval_every={steps}",
+          "data.eval_fraction=0.02", "data.eval_batches=8", "train.log_every=10",
+          "checkpoint.every=0"]
+
+
+def train_one(config_path: str, overrides: list[str]) -> dict:
+  """Trains in this process and returns the figures (the child's work)."""
+  import numpy as np
+
+  import jmoe
+  config = jmoe.load_config(config_path, overrides)
+  steps = config.train.steps
+  with tempfile.TemporaryDirectory(prefix="loss_compare_") as workdir:
+    with jmoe.Trainer(config, workdir, progress=False) as trainer:
+      records = trainer.train(steps)
+  losses = [r["loss"] for r in records if r["step"] > steps // 2 and "loss" in r]
+  last = records[-1]
+  return {"steps": steps, "eval_loss": last["eval_loss"],
+          "mean_loss_second_half": float(np.mean(losses)) if losses else None,
+          "max_loss": max(r["loss"] for r in records if "loss" in r),
+          "tokens_per_s_end": records[-2]["tokens_per_s"] if len(records) > 1 else None}
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", required=True)
+  parser.add_argument("--steps", type=int, default=200)
+  parser.add_argument("--variant", type=variant, action="append", required=True)
+  parser.add_argument("--set", action="append", default=[], help="a setting for every variant")
+  parser.add_argument("--record", type=pathlib.Path, help="append each result as a JSON line")
+  parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  if args.child:
+    name, overrides = args.variant[0]
+    print("RESULT " + json.dumps(train_one(args.config, overrides)), flush=True)
+    return 0
+  first = None
+  for name, overrides in args.variant:
+    settings = fixed(args.steps) + args.set + overrides
+    command = [sys.executable, __file__, "--config", args.config, "--child",
+               "--variant", name + "=" + ",".join(settings)]
+    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+    if done.returncode or not lines:
+      print(json.dumps({"variant": name, "failed": done.returncode}), flush=True)
+      continue
+    result = {"variant": name, "config": args.config, "overrides": args.set + overrides,
+              **json.loads(lines[-1][len("RESULT "):])}
+    if name == args.variant[0][0]:
+      first = result["eval_loss"]
+    result["vs_first"] = result["eval_loss"] / first if first else None
+    print(json.dumps(result), flush=True)
+    if args.record:
+      with args.record.open("a") as f:
+        f.write(json.dumps({"record": "loss", **result}) + "\n")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
