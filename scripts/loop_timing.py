@@ -42,15 +42,14 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       jax.block_until_ready(trainer.state)
       for mark in marks:
         t0 = time.perf_counter()
-        records += trainer.train(mark - done)
+        records += trainer.train(mark - done, final_save=mark == timed)
         jax.block_until_ready(trainer.state)
         stepped += time.perf_counter() - t0
         done = mark
         if mark < timed:
           middle.append(bare_step_s(trainer, warmup, keep=False)[0])
       t0 = time.perf_counter()
-      trainer.save(waited=True)  # the run's last checkpoint (none more where step `steps`
-      # already saved one), as the command ends with
+      trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
       trainer.checkpointer.wait()
       last_write = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())

@@ -326,3 +326,24 @@ def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypa
                     ("launch", 4), ("read", 4), ("launch", 5), ("launch", 6), ("read", 6)]
   lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 4, 6]
+
+
+def test_the_runs_last_step_is_saved_once_with_every_core(tmp_path, monkeypatch):
+  """`run` ends with a save it waits for; where a periodic save falls on the last step too, that
+  step is saved once, as the waited save (every core), not started in the background at
+  `checkpoint.write_threads` threads and then waited for. Periodic saves before it stay in the
+  background."""
+  from jmoe.train import loop
+  config = tiny_config(train=dict(steps=4, warmup_steps=1, log_every=2),
+                       checkpoint=dict(every=2))
+  with loop.Trainer(config, tmp_path, progress=False) as trainer:
+    saves = []
+    save = trainer.checkpointer.save
+
+    def recorded(step, *args, waited=False, **kwargs):
+      saves.append((step, waited))
+      return save(step, *args, waited=waited, **kwargs)
+    monkeypatch.setattr(trainer.checkpointer, "save", recorded)
+    trainer.run()
+  assert saves == [(2, False), (4, True)]
+  assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [2, 4]

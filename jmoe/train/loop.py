@@ -156,10 +156,14 @@ class Trainer:
         raise
       log.warning("closing the run after the error below also failed: %s", e)
 
-  def train(self, steps: int | None = None, *, signals: StopSignals | None = None) -> list[dict]:
+  def train(self, steps: int | None = None, *, signals: StopSignals | None = None,
+            final_save: bool = False) -> list[dict]:
     """Runs `steps` more steps (default: up to `train.steps`), logging every `train.log_every`,
     evaluating every `train.eval_every`, checkpointing every `checkpoint.every`. Returns this
-    call's logged records (dicts of floats and lists, as in metrics.jsonl).
+    call's logged records (dicts of floats and lists, as in metrics.jsonl). `final_save`: the
+    caller saves the last step itself, waiting for it (as `run` does), so no periodic save is
+    started there: one in the background would write with `checkpoint.write_threads` threads
+    while nothing runs beside it, and the caller would wait for that slower write.
 
     A logged step's metrics are read once the next step is queued behind it, so that the device
     never waits for the host to write a record and launch the next step; the call's last step,
@@ -178,7 +182,8 @@ class Trainer:
         queued = None
       self.health.add(done, metrics["skipped"])
       evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
-      saving = cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+      saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+                and not (final_save and done == end))
       logged = done % cfg.train.log_every == 0 or done == first
       if evaluate or done == end or (saving and logged):
         # (before a save, which waits for the step anyway and may stop the run)
@@ -226,7 +231,7 @@ class Trainer:
                   self.config.train.steps)
     signals = StopSignals()
     with signals.installed():
-      records = self.train(signals=signals)
+      records = self.train(signals=signals, final_save=True)
       self.save(waited=True)
       self.checkpointer.wait()
     return records
