@@ -17,6 +17,7 @@ JSON line per variant, with `vs_first` the held-out loss's ratio to the first va
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import pathlib
 import subprocess
@@ -24,6 +25,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmark import commit  # noqa: E402 - beside this file
 
 
 def variant(text: str) -> tuple[str, list[str]]:
@@ -42,6 +45,7 @@ def fixed(steps: int) -> list[str]:
 
 def train_one(config_path: str, overrides: list[str]) -> dict:
   """Trains in this process and returns the figures (the child's work)."""
+  import jax
   import numpy as np
 
   import jmoe
@@ -52,7 +56,8 @@ def train_one(config_path: str, overrides: list[str]) -> dict:
       records = trainer.train(steps)
   losses = [r["loss"] for r in records if r["step"] > steps // 2 and "loss" in r]
   last = records[-1]
-  return {"steps": steps, "eval_loss": last["eval_loss"],
+  return {"device_kind": jax.devices()[0].device_kind, "steps": steps,
+          "eval_loss": last["eval_loss"],
           "mean_loss_second_half": float(np.mean(losses)) if losses else None,
           "max_loss": max(r["loss"] for r in records if "loss" in r),
           "tokens_per_s_end": records[-2]["tokens_per_s"] if len(records) > 1 else None}
@@ -83,6 +88,8 @@ def main(argv=None) -> int:
       continue
     result = {"variant": name, "config": args.config, "overrides": args.set + overrides,
               **json.loads(lines[-1][len("RESULT "):])}
+    if args.record:
+      result = {"date": datetime.date.today().isoformat(), "jmoe_commit": commit(), **result}
     if name == args.variant[0][0]:
       first = result["eval_loss"]
     result["vs_first"] = result["eval_loss"] / first if first else None

@@ -134,7 +134,7 @@ def test_bad_config_files(tmp_path, text, message):
     ("precision.gemm=fp8 precision.fp8_dense=false precision.fp8_experts=false",
      "leaves every GEMM in bf16"),
     ("precision.gemm=fp8 precision.fp8_dense=false precision.fp8_recipe=delayed",
-     "fp8_dense=false leaves in bf16"),
+     r"fp8_dense=false \(the default\) leaves in bf16"),
     ("precision.gemm=fp8 precision.fp8_weight_gradient=fp16",
      r"precision.fp8_weight_gradient must be one of \['auto', 'bf16', 'fp8'\]"),
     ("model.attention_kernel=flash", "model.attention_kernel must be one of"),

@@ -190,7 +190,7 @@ def losses(workdir):
 
 
 FP8_DELAYED = dict(params="float32", compute="bfloat16", gemm="fp8", fp8_recipe="delayed",
-                   fp8_amax_history=4)
+                   fp8_amax_history=4, fp8_dense=True)
 
 
 def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load_params(tmp_path):
@@ -333,7 +333,7 @@ def test_fp8_dense_false_leaves_the_dense_gemms_in_bf16():
   _, exact = grads(compute="float32")
   _, bf16 = grads(compute="bfloat16")
   experts_only, g_experts = grads(compute="bfloat16", gemm="fp8", fp8_dense=False)
-  _, g_all = grads(compute="bfloat16", gemm="fp8")
+  _, g_all = grads(compute="bfloat16", gemm="fp8", fp8_dense=True)
   assert experts_only.moe_blocks.attn.fp8_q is None and experts_only.moe_blocks.attn.fp8_o is None
 
   def error(g, part):

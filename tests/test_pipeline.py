@@ -264,7 +264,7 @@ def test_pipeline_sizes_that_cannot_work():
       (dict(pipeline=8), {}, "the 4 MoE layers cannot fill"),
       (dict(pipeline=2, pipeline_repeats=2), dict(train=dict(batch_size=16, micro_batch_size=16)),
        "at least as many micro-batches as stages"),
-      (dict(pipeline=2), dict(precision=dict(gemm="fp8", fp8_recipe="delayed")),
+      (dict(pipeline=2), dict(precision=dict(gemm="fp8", fp8_recipe="delayed", fp8_dense=True)),
        "fp8_recipe=current"),
       (dict(pipeline_repeats=2), {}, "needs pipeline stages"),
       (dict(pipeline=2, pipeline_schedule="zb"), {}, "parallel.pipeline_schedule"),

@@ -248,8 +248,8 @@ def _precision(p):
            "bf16: set one of them true, or precision.gemm=bf16")
   if p.gemm == "fp8" and p.fp8_recipe == "delayed" and not p.fp8_dense:
     yield ("precision.fp8_recipe=delayed keeps amax histories for the dense GEMMs, which "
-           "fp8_dense=false leaves in bf16 (the experts always scale from current values): use "
-           "fp8_recipe=current")
+           "fp8_dense=false (the default) leaves in bf16 (the experts always scale from current "
+           "values): set precision.fp8_dense=true, or use fp8_recipe=current")
   if p.gemm != "fp8" and p.fp8_dispatch:
     yield "precision.fp8_dispatch needs precision.gemm=fp8"
 

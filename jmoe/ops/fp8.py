@@ -38,7 +38,7 @@ class Fp8Recipe:
   history: int = 16  # the amax history's length, for delayed scaling
   grad_format: str = "e5m2"  # the gradients' float8 format (the forward operands are E4M3)
   experts: bool = True  # the expert GEMMs too
-  dense: bool = True  # the dense GEMMs: attention, dense MLPs, shared experts (not the head)
+  dense: bool = False  # the dense GEMMs: attention, dense MLPs, shared experts (not the head)
   # expert GEMMs on 1 x 128 / 128 x 128 tile scales (jmoe/ops/fp8_blockwise.py); the dense GEMMs
   # then scale from current values per tensor
   blockwise: bool = False
