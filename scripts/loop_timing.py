@@ -67,6 +67,11 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       "loop_last_write_s": round(last_write, 1),
       "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
       if intervals else None,
+      # each logged record's (step, tokens/s since the record before): where the loop loses time
+      # (a save's interval, the data) shows here; the first record after each probe covers the
+      # probe's restart, not a whole interval
+      "loop_intervals": [[r["step"], round(r["tokens_per_s"])] for r in records
+                         if r["step"] > warmup + 1],
       "loop_end_bare_step_ms": round(end_s * 1e3, 2),
       "loop_end_bare_tokens_per_s": round(tokens_per_step / end_s),
       **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}

@@ -10,8 +10,12 @@ setting that should not change the loss.
 A variant is NAME=OVERRIDES (comma-separated dotted settings, none for the config as it is); the
 first is the reference the others are compared to. Each runs in a process of its own (so every
 run has the device to itself) through `jmoe.Trainer` with no checkpoint written, in a workdir
-that is removed after it. `--set` applies to every variant (for example train.seed=1). Prints one
-JSON line per variant, with `vs_first` the held-out loss's ratio to the first variant's.
+that is removed after it. `--set` applies to every variant. Prints one JSON line per run, with
+`vs_first` the held-out loss's ratio to the first variant's (of the same seed). `--seeds N` runs
+every variant with train.seed 0 .. N-1 (seed by seed, so a cut-short call still holds pairs),
+then one summary line per variant (mean, lowest and highest held-out loss, the mean's ratio to
+the first variant's): how far two runs of one setting differ is what a difference between
+settings is read against.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -46,7 +52,6 @@ def fixed(steps: int) -> list[str]:
 def train_one(config_path: str, overrides: list[str]) -> dict:
   """Trains in this process and returns the figures (the child's work)."""
   import jax
-  import numpy as np
 
   import jmoe
   config = jmoe.load_config(config_path, overrides)
@@ -63,12 +68,38 @@ def train_one(config_path: str, overrides: list[str]) -> dict:
           "tokens_per_s_end": records[-2]["tokens_per_s"] if len(records) > 1 else None}
 
 
+def run_one(args, name: str, overrides: list[str]) -> dict | None:
+  """One variant trained in a process of its own; None (reported) if it failed."""
+  settings = fixed(args.steps) + overrides
+  command = [sys.executable, __file__, "--config", args.config, "--child",
+             "--variant", name + "=" + ",".join(settings)]
+  done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+  lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+  if done.returncode or not lines:
+    print(json.dumps({"variant": name, "failed": done.returncode}), flush=True)
+    return None
+  return {"variant": name, "config": args.config, "overrides": overrides,
+          **json.loads(lines[-1][len("RESULT "):])}
+
+
+def emit(args, result: dict) -> None:
+  if args.record:
+    result = {"date": datetime.date.today().isoformat(), "jmoe_commit": commit(), **result}
+  print(json.dumps(result), flush=True)
+  if args.record:
+    with args.record.open("a") as f:
+      f.write(json.dumps({"record": "loss", **result}) + "\n")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--variant", type=variant, action="append", required=True)
   parser.add_argument("--set", action="append", default=[], help="a setting for every variant")
+  parser.add_argument("--seeds", type=int, default=1,
+                      help="run every variant with train.seed 0 .. N-1 (N > 1), then a summary "
+                           "line per variant: how far runs of one setting differ")
   parser.add_argument("--record", type=pathlib.Path, help="append each result as a JSON line")
   parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -76,27 +107,28 @@ def main(argv=None) -> int:
     name, overrides = args.variant[0]
     print("RESULT " + json.dumps(train_one(args.config, overrides)), flush=True)
     return 0
-  first = None
-  for name, overrides in args.variant:
-    settings = fixed(args.steps) + args.set + overrides
-    command = [sys.executable, __file__, "--config", args.config, "--child",
-               "--variant", name + "=" + ",".join(settings)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
-    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-    if done.returncode or not lines:
-      print(json.dumps({"variant": name, "failed": done.returncode}), flush=True)
-      continue
-    result = {"variant": name, "config": args.config, "overrides": args.set + overrides,
-              **json.loads(lines[-1][len("RESULT "):])}
-    if args.record:
-      result = {"date": datetime.date.today().isoformat(), "jmoe_commit": commit(), **result}
-    if name == args.variant[0][0]:
-      first = result["eval_loss"]
-    result["vs_first"] = result["eval_loss"] / first if first else None
-    print(json.dumps(result), flush=True)
-    if args.record:
-      with args.record.open("a") as f:
-        f.write(json.dumps({"record": "loss", **result}) + "\n")
+  by_variant: dict[str, list[float]] = {name: [] for name, _ in args.variant}
+  for seed in range(args.seeds):
+    first = None
+    for name, overrides in args.variant:
+      seeded = [f"train.seed={seed}"] if args.seeds > 1 else []
+      result = run_one(args, name, seeded + args.set + overrides)
+      if result is None:
+        continue
+      if name == args.variant[0][0]:
+        first = result["eval_loss"]
+      result["vs_first"] = result["eval_loss"] / first if first else None
+      by_variant[name].append(result["eval_loss"])
+      emit(args, result)
+  if args.seeds > 1:
+    reference = by_variant[args.variant[0][0]]
+    for name, values in by_variant.items():
+      if values:
+        emit(args, {"variant": name, "summary": True, "runs": len(values),
+                    "mean_eval_loss": float(np.mean(values)),
+                    "min_eval_loss": min(values), "max_eval_loss": max(values),
+                    "vs_first_mean": float(np.mean(values) / np.mean(reference))
+                    if reference else None})
   return 0
 
 

@@ -63,6 +63,7 @@ def test_benchmark_prints_its_figures(tmp_path):
   assert record["loop_steps"] == 3 and record["loop_timed_steps"] == 2
   assert record["loop_checkpoints"] == 2
   assert record["loop_tokens_per_s"] > 0 and record["loop_vs_step"] > 0
+  assert [step for step, _ in record["loop_intervals"]] == [3]  # logged past the warm-up
   # the bare step again on the loop's last state, and the loop's steps against it
   assert record["loop_end_bare_step_ms"] > 0 and record["loop_steps_vs_end_step"] > 0
   # and in the middle of the timed run's thirds (after its steps 1, 1 and 2 of 2: one before
@@ -363,6 +364,21 @@ def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
   assert again["eval_loss"] == base["eval_loss"] and again["vs_first"] == 1.0
   assert other["vs_first"] != 1.0 and other["overrides"][-1] == "train.lr=0.0003"
   assert len((tmp_path / "r.jsonl").read_text().splitlines()) == 3
+  seeded = subprocess.run(
+      [sys.executable, "scripts/loss_compare.py", "--config", "configs/tiny_moe.py", "--steps",
+       "4", *small, "--variant", "base=", "--variant", "other=train.lr=0.0003", "--seeds", "2"],
+      cwd=ROOT, capture_output=True, text=True, timeout=240, env=command_env())
+  assert seeded.returncode == 0, seeded.stderr[-3000:]
+  lines = [json.loads(l) for l in seeded.stdout.strip().splitlines()]
+  runs, summaries = lines[:4], lines[4:]
+  assert [(r["variant"], r["overrides"][0]) for r in runs] == [
+      ("base", "train.seed=0"), ("other", "train.seed=0"), ("base", "train.seed=1"),
+      ("other", "train.seed=1")]
+  assert runs[0]["eval_loss"] == base["eval_loss"]  # seed 0 is the config's own
+  assert runs[2]["eval_loss"] != runs[0]["eval_loss"]  # another seed, another run
+  assert [s["variant"] for s in summaries] == ["base", "other"] and summaries[0]["runs"] == 2
+  assert summaries[0]["vs_first_mean"] == 1.0
+  assert summaries[0]["min_eval_loss"] < summaries[0]["max_eval_loss"]
   bad = subprocess.run([sys.executable, "scripts/loss_compare.py", "--config",
                         "configs/tiny_moe.py", "--variant", "noequals"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=command_env())
