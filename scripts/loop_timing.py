@@ -72,6 +72,8 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       # probe's restart, not a whole interval
       "loop_intervals": [[r["step"], round(r["tokens_per_s"])] for r in records
                          if r["step"] > warmup + 1],
+      # the seconds the loop waited for its input (the data pipeline not keeping up)
+      "loop_loader_wait_s": round(sum(r.get("loader_wait_s", 0.0) for r in records), 3),
       "loop_end_bare_step_ms": round(end_s * 1e3, 2),
       "loop_end_bare_tokens_per_s": round(tokens_per_step / end_s),
       **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}

@@ -64,6 +64,7 @@ def test_benchmark_prints_its_figures(tmp_path):
   assert record["loop_checkpoints"] == 2
   assert record["loop_tokens_per_s"] > 0 and record["loop_vs_step"] > 0
   assert [step for step, _ in record["loop_intervals"]] == [3]  # logged past the warm-up
+  assert record["loop_loader_wait_s"] >= 0
   # the bare step again on the loop's last state, and the loop's steps against it
   assert record["loop_end_bare_step_ms"] > 0 and record["loop_steps_vs_end_step"] > 0
   # and in the middle of the timed run's thirds (after its steps 1, 1 and 2 of 2: one before
