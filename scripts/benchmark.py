@@ -316,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         "gemm": auto_gemm() if config.moe.gemm == "auto" else config.moe.gemm,
         "expert_blocks": config.moe.expert_blocks, "precision": config.precision.gemm,
         "fp8_recipe": config.precision.fp8_recipe if config.precision.gemm == "fp8" else None,
+        # which GEMMs FP8 covers (the dense ones by default until 2026-12-04)
+        "fp8_experts": config.precision.fp8_experts if config.precision.gemm == "fp8" else None,
+        "fp8_dense": config.precision.fp8_dense if config.precision.gemm == "fp8" else None,
         # GEMM library calls in the compiled step: cuBLASLt's FP8 GEMMs and the others
         "fp8_gemm_calls": hlo.count('custom_call_target="__cublas$lt$matmul$f8"'),
         "other_gemm_calls": hlo.count('custom_call_target="__cublas$lt$matmul"')

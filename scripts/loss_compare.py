@@ -15,7 +15,8 @@ that is removed after it. `--set` applies to every variant. Prints one JSON line
 every variant with train.seed 0 .. N-1 (seed by seed, so a cut-short call still holds pairs),
 then one summary line per variant (mean, lowest and highest held-out loss, the mean's ratio to
 the first variant's): how far two runs of one setting differ is what a difference between
-settings is read against.
+settings is read against. A run that fails prints a `failed` line (its error on stderr), the
+others go on, and the script exits 1.
 """
 
 from __future__ import annotations
@@ -61,34 +62,37 @@ def train_one(config_path: str, overrides: list[str]) -> dict:
       records = trainer.train(steps)
   losses = [r["loss"] for r in records if r["step"] > steps // 2 and "loss" in r]
   last = records[-1]
-  return {"device_kind": jax.devices()[0].device_kind, "steps": steps,
+  return {"device_kind": jax.devices()[0].device_kind, "devices": jax.device_count(),
+          "steps": steps,
           "eval_loss": last["eval_loss"],
           "mean_loss_second_half": float(np.mean(losses)) if losses else None,
           "max_loss": max(r["loss"] for r in records if "loss" in r),
           "tokens_per_s_end": records[-2]["tokens_per_s"] if len(records) > 1 else None}
 
 
-def run_one(args, name: str, overrides: list[str]) -> dict | None:
-  """One variant trained in a process of its own; None (reported) if it failed."""
+def run_one(args, name: str, overrides: list[str], seed: int) -> dict | None:
+  """One variant trained in a process of its own; None (reported, its error on stderr) if it
+  failed."""
   settings = fixed(args.steps) + overrides
   command = [sys.executable, __file__, "--config", args.config, "--child",
              "--variant", name + "=" + ",".join(settings)]
   done = subprocess.run(command, stdout=subprocess.PIPE, text=True)
   lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
   if done.returncode or not lines:
-    print(json.dumps({"variant": name, "failed": done.returncode}), flush=True)
+    print(json.dumps({"variant": name, "seed": seed, "failed": True,
+                      "returncode": done.returncode}), flush=True)
     return None
-  return {"variant": name, "config": args.config, "overrides": overrides,
+  return {"variant": name, "seed": seed, "config": args.config, "overrides": overrides,
           **json.loads(lines[-1][len("RESULT "):])}
 
 
 def emit(args, result: dict) -> None:
-  if args.record:
-    result = {"date": datetime.date.today().isoformat(), "jmoe_commit": commit(), **result}
   print(json.dumps(result), flush=True)
-  if args.record:
+  if args.record:  # as docs/perf/records.jsonl keeps them
     with args.record.open("a") as f:
-      f.write(json.dumps({"record": "loss", **result}) + "\n")
+      f.write(json.dumps({"date": datetime.date.today().isoformat(), "jmoe_commit": commit(),
+                          "kind": f"loss_{args.steps}_steps", "devices": result.get("devices"),
+                          **result}) + "\n")
 
 
 def main(argv=None) -> int:
@@ -107,29 +111,38 @@ def main(argv=None) -> int:
     name, overrides = args.variant[0]
     print("RESULT " + json.dumps(train_one(args.config, overrides)), flush=True)
     return 0
-  by_variant: dict[str, list[float]] = {name: [] for name, _ in args.variant}
+  names = [name for name, _ in args.variant]
+  if len(set(names)) != len(names):
+    parser.error(f"--variant names repeat ({', '.join(names)}): give each its own")
+  if args.seeds < 1:
+    parser.error(f"--seeds {args.seeds}: give 1 or more")
+  losses: dict[str, dict[int, float]] = {name: {} for name in names}  # per variant, per seed
+  failed = 0
   for seed in range(args.seeds):
-    first = None
     for name, overrides in args.variant:
       seeded = [f"train.seed={seed}"] if args.seeds > 1 else []
-      result = run_one(args, name, seeded + args.set + overrides)
+      result = run_one(args, name, seeded + args.set + overrides, seed)
       if result is None:
+        failed += 1
         continue
-      if name == args.variant[0][0]:
-        first = result["eval_loss"]
-      result["vs_first"] = result["eval_loss"] / first if first else None
-      by_variant[name].append(result["eval_loss"])
+      reference = losses[names[0]].get(seed)
+      result["vs_first"] = result["eval_loss"] / reference if reference else None
+      losses[name][seed] = result["eval_loss"]
       emit(args, result)
   if args.seeds > 1:
-    reference = by_variant[args.variant[0][0]]
-    for name, values in by_variant.items():
-      if values:
-        emit(args, {"variant": name, "summary": True, "runs": len(values),
-                    "mean_eval_loss": float(np.mean(values)),
-                    "min_eval_loss": min(values), "max_eval_loss": max(values),
-                    "vs_first_mean": float(np.mean(values) / np.mean(reference))
-                    if reference else None})
-  return 0
+    for name, by_seed in losses.items():
+      if not by_seed:
+        continue
+      values = list(by_seed.values())
+      # the ratio over the seeds both this variant and the first finished
+      paired = [s for s in by_seed if s in losses[names[0]]]
+      emit(args, {"variant": name, "summary": True, "runs": len(values),
+                  "mean_eval_loss": float(np.mean(values)),
+                  "min_eval_loss": min(values), "max_eval_loss": max(values),
+                  "vs_first_mean": float(np.mean([by_seed[s] for s in paired])
+                                         / np.mean([losses[names[0]][s] for s in paired]))
+                  if paired else None})
+  return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -236,7 +236,8 @@ def test_delayed_scaling_history_is_checkpointed_resumed_and_not_carried_by_load
 
 def test_fp8_training_follows_bf16(tmp_path):
   """150 steps of the tiny model (the loss from about 5.6 to 2.7): the FP8 run's final loss
-  within 2% of the bf16 run's (0.07% when measured)."""
+  (the routed experts in FP8, the default) within 2% of the bf16 run's (0.27% when measured;
+  0.07% with every GEMM in FP8, before 2026-12-04)."""
   common = dict(train=dict(steps=150, log_every=10, lr=3e-3, warmup_steps=10),
                 moe=dict(expert_blocks=1.25))
   base = dict(params="float32", compute="bfloat16")
@@ -256,9 +257,11 @@ def test_fp8_training_follows_bf16(tmp_path):
 EP4 = dict(dense=dict(data=1, fsdp=-1), expert=dict(expert=4, data=-1))
 
 
-def test_fp8_on_an_expert_parallel_layout_and_fp8_dispatch():
+@pytest.mark.parametrize("dense", [False, True])
+def test_fp8_on_an_expert_parallel_layout_and_fp8_dispatch(dense):
+  """`dense`: the dense GEMMs' per-tensor scales too, under FSDP (an amax over the devices)."""
   from test_train import first_step
-  fp8 = dict(params="float32", compute="bfloat16", gemm="fp8")
+  fp8 = dict(params="float32", compute="bfloat16", gemm="fp8", fp8_dense=dense)
   moe = dict(dispatcher="alltoall", expert_blocks=1.25, first_k_dense=0)
   model = dict(num_layers=1)
   one, _ = first_step(tiny_config(model=model, precision=fp8, moe=moe), jax.devices()[:1])

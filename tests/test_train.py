@@ -347,3 +347,19 @@ def test_the_runs_last_step_is_saved_once_with_every_core(tmp_path, monkeypatch)
     trainer.run()
   assert saves == [(2, False), (4, True)]
   assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [2, 4]
+  # A stop signal that lands on a periodic save's step: that step too is saved once, waited.
+  import signal
+  from jmoe.errors import Interrupted
+  from jmoe.train.preemption import StopSignals
+  config = tiny_config(train=dict(steps=6, warmup_steps=1, log_every=2),
+                       checkpoint=dict(every=2))
+  with loop.Trainer(config, tmp_path / "stopped", progress=False) as trainer:
+    saves.clear()
+    save = trainer.checkpointer.save
+    monkeypatch.setattr(trainer.checkpointer, "save", recorded)
+    signals = StopSignals()
+    monkeypatch.setattr(signals, "stop_requested", lambda step: step == 4)
+    signals.signum = signal.SIGTERM
+    with pytest.raises(Interrupted):
+      trainer.train(signals=signals)
+  assert saves == [(2, False), (4, True)]

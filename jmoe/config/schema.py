@@ -325,10 +325,10 @@ class PrecisionConfig:
   fp8_recipe: str = "current"
   fp8_amax_history: int = 16  # steps of amax kept per GEMM for delayed scaling
   fp8_grad_format: str = "e5m2"  # float8 format of the gradients: e5m2 | e4m3
-  fp8_experts: bool = True  # expert GEMMs in FP8 too (row-wise current scaling)
-  # the dense GEMMs in FP8 too: attention, dense MLPs, shared experts. Off by default: their
-  # per-tensor scales were most of FP8's error (200 steps on one H200: the held-out loss +2.7%
-  # against bf16 with them, +0.8% without, at the same speed; docs/FP8.md)
+  fp8_experts: bool = True  # the routed experts' GEMMs in FP8 (row-wise current scaling)
+  # the dense GEMMs in FP8 as well: attention, dense MLPs, shared experts. Off by default: their
+  # per-tensor scales are most of FP8's gradient error (docs/FP8.md; 200 steps on one H200 ended
+  # +2.7% above bf16's held-out loss with them, +0.8% without, at about 1% less speed)
   fp8_dense: bool = False
   fp8_dispatch: bool = False  # tokens cross the expert-parallel exchange as float8 (row scales)
   # the expert GEMMs' weight gradient: fp8 (float8 kernels for it too) | bf16 (the 16-bit kernel

@@ -37,7 +37,7 @@ class Fp8Recipe:
   delayed: bool = False  # per-tensor scales from an amax history (else from current values)
   history: int = 16  # the amax history's length, for delayed scaling
   grad_format: str = "e5m2"  # the gradients' float8 format (the forward operands are E4M3)
-  experts: bool = True  # the expert GEMMs too
+  experts: bool = True  # the routed experts' GEMMs
   dense: bool = False  # the dense GEMMs: attention, dense MLPs, shared experts (not the head)
   # expert GEMMs on 1 x 128 / 128 x 128 tile scales (jmoe/ops/fp8_blockwise.py); the dense GEMMs
   # then scale from current values per tensor

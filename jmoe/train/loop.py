@@ -182,8 +182,12 @@ class Trainer:
         queued = None
       self.health.add(done, metrics["skipped"])
       evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
+      # (asked of every process at every step: on several hosts it is a collective)
+      stopping = done < end and signals is not None and signals.stop_requested(done)
+      # The run's last step, and a step a stop signal ends the run at, are saved in the
+      # foreground below (every core), not started in the background here.
       saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0
-                and not (final_save and done == end))
+                and not (final_save and done == end) and not stopping)
       logged = done % cfg.train.log_every == 0 or done == first
       if evaluate or done == end or (saving and logged):
         # (before a save, which waits for the step anyway and may stop the run)
@@ -192,7 +196,7 @@ class Trainer:
         queued = (done, metrics)
       if saving:
         self.save()
-      if done < end and signals is not None and signals.stop_requested(done):
+      if stopping:
         if queued is not None:
           records.append(self._log(*queued))
         self.save(waited=True)
