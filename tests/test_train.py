@@ -363,3 +363,12 @@ def test_the_runs_last_step_is_saved_once_with_every_core(tmp_path, monkeypatch)
     with pytest.raises(Interrupted):
       trainer.train(signals=signals)
   assert saves == [(2, False), (4, True)]
+
+
+def test_the_start_says_which_gemms_fp8_covers(tmp_path, caplog):
+  from jmoe.train import loop
+  with caplog.at_level("INFO", logger="jmoe"):
+    with loop.Trainer(tiny_config(precision=dict(gemm="fp8")), tmp_path, progress=False):
+      pass
+  assert ("FP8 (current recipe): the routed experts' GEMMs; the dense GEMMs "
+          "(precision.fp8_dense=false) and the LM head in") in caplog.text

@@ -92,6 +92,13 @@ class Trainer:
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
              layout.mesh.devices.size, jax.default_backend(), layout.describe())
+    if config.precision.gemm == "fp8":  # what FP8 covers (its default changed on 2026-12-04)
+      p = config.precision
+      covered = [name for name, on in (("the routed experts'", p.fp8_experts),
+                                       ("the dense", p.fp8_dense)) if on]
+      log.info("FP8 (%s recipe): %s GEMMs; %s in %s", p.fp8_recipe, " and ".join(covered),
+               "the LM head" if p.fp8_dense else "the dense GEMMs (precision.fp8_dense=false) "
+               "and the LM head", p.compute)
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save,
