@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmark import commit  # noqa: E402 - beside this file
+from benchmark import append_record, commit  # noqa: E402 - beside this file
 
 
 def variant(text: str) -> tuple[str, list[str]]:
@@ -89,10 +89,9 @@ def run_one(args, name: str, overrides: list[str], seed: int) -> dict | None:
 def emit(args, result: dict) -> None:
   print(json.dumps(result), flush=True)
   if args.record:  # as docs/perf/records.jsonl keeps them
-    with args.record.open("a") as f:
-      f.write(json.dumps({"date": datetime.date.today().isoformat(), "jmoe_commit": commit(),
-                          "kind": f"loss_{args.steps}_steps", "devices": result.get("devices"),
-                          **result}) + "\n")
+    append_record(args.record, {"date": datetime.date.today().isoformat(),
+                                "jmoe_commit": commit(), "kind": f"loss_{args.steps}_steps",
+                                "devices": result.get("devices"), **result})
 
 
 def main(argv=None) -> int:
@@ -116,6 +115,13 @@ def main(argv=None) -> int:
     parser.error(f"--variant names repeat ({', '.join(names)}): give each its own")
   if args.seeds < 1:
     parser.error(f"--seeds {args.seeds}: give 1 or more")
+  if args.record:  # refused before any run trains for nothing
+    from jmoe.errors import ConfigError
+    from jmoe.outputs import writable
+    try:
+      writable(args.record, directory=False, flag="--record")
+    except ConfigError as e:
+      parser.error(str(e))
   losses: dict[str, dict[int, float]] = {name: {} for name in names}  # per variant, per seed
   failed = 0
   for seed in range(args.seeds):

@@ -382,7 +382,10 @@ def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
                         "configs/tiny_moe.py", "--variant", "noequals"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=command_env())
   assert bad.returncode != 0 and "NAME=OVERRIDES" in bad.stderr
+  (tmp_path / "file").write_text("")
   bad = subprocess.run([sys.executable, "scripts/loss_compare.py", "--config",
-                        "configs/tiny_moe.py", "--variant", "noequals"],
+                        "configs/tiny_moe.py", "--variant", "base=", "--record",
+                        str(tmp_path / "file" / "r.jsonl")],
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=command_env())
-  assert bad.returncode != 0 and "NAME=OVERRIDES" in bad.stderr
+  assert bad.returncode != 0 and "is a file, so nothing can be written" in bad.stderr
+  assert "RESULT" not in bad.stdout and not bad.stdout.strip()  # refused before any run
