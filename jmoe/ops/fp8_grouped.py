@@ -79,6 +79,11 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
 
   def bwd(residuals, dy_XF):
     x_q, scale_X1, w_EDF, scale_E11, group_sizes_E = residuals
+    # The weight quantized again here, in the backward pass: tied to dy, which only the backward
+    # pass has, so that XLA neither merges it with the forward's identical quantization (CSE)
+    # nor schedules it early; either way one float8 copy of every layer's weights would be held
+    # from the forward pass to the backward (4.5 GiB on the Qwen3-30B-A3B bench).
+    w_EDF, dy_XF = jax.lax.optimization_barrier((w_EDF, dy_XF))
     w_q = quantize(w_EDF, scale_E11, E4M3)
     expert_X = row_groups(group_sizes_E, x_q.shape[0])
     in_groups_X1 = (expert_X < w_q.shape[0])[:, None]
