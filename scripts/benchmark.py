@@ -29,7 +29,8 @@ step's; and the bare step once more on the loop's last state (`loop_end_bare_ste
 time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps,
 and in the middle of each third of the run on a copy of its state (`loop_probe_bare_step_ms`),
 whose mean `loop_steps_vs_mean_step` compares them with: the bare step over the same states
-(scripts/loop_timing.py).
+(scripts/loop_timing.py); with the GPUs' clocks over the loop's steps (`loop_gpu_sm_clock_mhz`,
+...) and over each probe (`loop_probe_gpu_sm_clock_mhz`).
 `--record FILE` appends the result to FILE as one JSON line.
 """
 

@@ -28,6 +28,11 @@ class GpuClocks:
       self._process.terminate()
       self._samples = self._process.communicate()[0]
 
+  @property
+  def samples(self) -> str:
+    """nvidia-smi's lines, for `clock_figures` over several blocks together."""
+    return self._samples
+
   def figures(self) -> dict:
     return clock_figures(self._samples)
 

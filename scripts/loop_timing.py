@@ -16,7 +16,7 @@ import dataclasses
 import tempfile
 import time
 
-from gpu_clocks import GpuClocks
+from gpu_clocks import GpuClocks, clock_figures
 
 
 def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
@@ -35,19 +35,24 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
   timed = steps - warmup
   marks = sorted({max(1, round(timed * (2 * i + 1) / (2 * probes))) for i in range(probes)}
                  | {timed}) if probes else [timed]
-  middle, records, stepped, done = [], [], 0.0, 0
+  middle, middle_clocks, records, stepped, done = [], [], [], 0.0, 0
+  loop_samples = ""  # the GPUs' clocks while the loop's steps ran (probes and last save apart)
   with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
     with Trainer(config, workdir, progress=False) as trainer:
       trainer.train(warmup)
       jax.block_until_ready(trainer.state)
       for mark in marks:
-        t0 = time.perf_counter()
-        records += trainer.train(mark - done, final_save=mark == timed)
-        jax.block_until_ready(trainer.state)
-        stepped += time.perf_counter() - t0
+        with GpuClocks() as clocks:
+          t0 = time.perf_counter()
+          records += trainer.train(mark - done, final_save=mark == timed)
+          jax.block_until_ready(trainer.state)
+          stepped += time.perf_counter() - t0
+        loop_samples += clocks.samples
         done = mark
         if mark < timed:
-          middle.append(bare_step_s(trainer, warmup, keep=False)[0])
+          probe_s, probe_clocks = bare_step_s(trainer, warmup, keep=False)
+          middle.append(probe_s)
+          middle_clocks.append(probe_clocks.figures())
       t0 = time.perf_counter()
       trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
       trainer.checkpointer.wait()
@@ -74,6 +79,10 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
                          if r["step"] > warmup + 1],
       # the seconds the loop waited for its input (the data pipeline not keeping up)
       "loop_loader_wait_s": round(sum(r.get("loader_wait_s", 0.0) for r in records), 3),
+      # the clocks the loop's steps ran at, against the bare steps' (`loop_end_*`,
+      # `loop_probe_*`): a probe's few steps after a pause may run at a higher clock than a
+      # long stretch of steps at the power cap
+      **{f"loop_{k}": v for k, v in clock_figures(loop_samples).items()},
       "loop_end_bare_step_ms": round(end_s * 1e3, 2),
       "loop_end_bare_tokens_per_s": round(tokens_per_step / end_s),
       **{f"loop_end_{k}": v for k, v in clocks.figures().items()}}
@@ -83,6 +92,8 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
         "loop_probe_steps": [warmup + m for m in marks[:-1]],
         "loop_probe_bare_step_ms": [round(s * 1e3, 2) for s in middle],
         "loop_mean_bare_step_ms": round(mean_s * 1e3, 2),
+        **{f"loop_probe_{k}": [c.get(k) for c in middle_clocks]
+           for k in ("gpu_sm_clock_mhz", "gpu_power_w") if any(middle_clocks)},
         # the loop's tokens/s over the bare step's at its mean time: mean step x steps / time
         "loop_steps_vs_mean_step": round(mean_s * timed / stepped, 3),
         "loop_vs_mean_step": round(mean_s * timed / seconds, 3)})
