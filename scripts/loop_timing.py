@@ -6,8 +6,9 @@ more power than the first steps'), so the bench's step, timed from initializatio
 a 600-step loop can reach whatever the loop adds. `loop_figures` therefore also times the bare
 step, as the bench times it, on the loop's own states: in the middle of each of `probes` equal
 parts of the run (on a copy of the state, so that the loop goes on from where it was) and on its
-last state. The mean of the middle ones is the bare step averaged over the run (the midpoint
-rule), the reference the loop's tokens/s is compared with (`loop_steps_vs_mean_step`).
+last state, each timed step on a batch of its own, as the loop's (until 2026-12-04 the probes
+repeated one batch). The mean of the middle ones is the bare step averaged over the run (the
+midpoint rule), the reference the loop's tokens/s is compared with (`loop_steps_vs_mean_step`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
   it (its checkpoints at the same steps): `steps` steps with their logging and checkpoints
   (`checkpoint.every`), then the run's last save; the first `warmup` of them untimed, the rest
   timed up to the end of the last save (and, apart, up to the end of the last step); the bare
-  step on the loop's states (above). The probes' time is not the loop's; each takes one batch
+  step on the loop's states (above). The probes' time is not the loop's; each takes a few batches
   of the loop's data."""
   import jax
   from jmoe.train.loop import Trainer
@@ -101,23 +102,26 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
 
 
 def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[float, GpuClocks]:
-  """Seconds per step of the trainer's compiled step on its current state and the next batch of
-  its data, timed as the bench times it (`warmup` steps first, one sync at the end), and the
-  GPUs' clocks meanwhile. `keep`: the trainer goes on from the state reached; else the steps run
-  on a copy (one more state on the device for the while)."""
+  """Seconds per step of the trainer's compiled step on its current state, timed as the bench
+  times it (`warmup` steps first, one sync at the end), and the GPUs' clocks meanwhile. Each
+  timed step takes its own batch, the next ones of the trainer's data, put on the devices
+  beforehand: the loop's steps each route a new batch, and how evenly a batch's tokens spread
+  over the experts changes a step's time. `keep`: the trainer goes on from the state reached;
+  else the steps run on a copy (one more state on the device for the while)."""
   import jax
   import jax.numpy as jnp
-  batch = trainer.data.next_batch()
+  batches = jax.block_until_ready(
+      [trainer.data.next_batch() for _ in range(max(warmup, repeats))])
   state = trainer.state if keep else jax.tree.map(jnp.copy, trainer.state)
   for _ in range(warmup):
-    state, _ = trainer._step_fn(state, batch)
+    state, _ = trainer._step_fn(state, batches[0])
   jax.block_until_ready(state)
   with GpuClocks() as clocks:
     t0 = time.perf_counter()
-    for _ in range(max(warmup, repeats)):
+    for batch in batches:
       state, _ = trainer._step_fn(state, batch)
     jax.block_until_ready(state)
-    seconds = (time.perf_counter() - t0) / max(warmup, repeats)
+    seconds = (time.perf_counter() - t0) / len(batches)
   if keep:
     trainer.state = state
   else:
