@@ -67,3 +67,23 @@ def plain_attention(q_BSHA, k_BSGA, v_BSGW, sinks_H, *, scale, window=0, segment
   if sinks_H is not None:
     p = p[..., 1:]
   return jnp.einsum("bhst,bthw->bshw", p, v_BSHW, precision="highest")
+
+
+def weight_copies_grown(gemm, more_layers: int, experts: int = 8, width: int = 512,
+                        rows: int = 64) -> float:
+  """How much XLA's temporaries for the gradient of a stack of `gemm` layers (x -> tanh(gemm(x,
+  w, sizes)), [experts, width, width] bf16 weights, `rows` tokens) grow with `more_layers` more
+  layers, in float8 copies of one layer's weights: what a layer holds from its forward pass to
+  its backward beyond its small activations."""
+  sizes = jnp.full((experts,), rows // experts, jnp.int32)
+
+  def temporaries(layers):
+    def loss(ws, x):
+      for w in ws:
+        x = jnp.tanh(gemm(x, w, sizes))
+      return jnp.sum(x.astype(jnp.float32))
+    ws = [jax.ShapeDtypeStruct((experts, width, width), jnp.bfloat16)] * layers
+    x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
+    return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
+
+  return (temporaries(2 + more_layers) - temporaries(2)) / (experts * width * width)

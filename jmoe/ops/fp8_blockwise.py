@@ -86,20 +86,24 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2"):
 
   def _fwd(x_XD, w_EDF, group_sizes_E):
     x_q = quantize_blocks(x_XD, (1,))
-    w_q = quantize_blocks(w_EDF, (1, 2))
     y = gemm(dequantize_blocks(*x_q, (1,), x_XD.dtype),
-             dequantize_blocks(*w_q, (1, 2), x_XD.dtype), group_sizes_E)
-    return y, (x_q, w_q, group_sizes_E, jnp.zeros((), w_EDF.dtype))
+             blockwise_round_trip(w_EDF, (1, 2)).astype(x_XD.dtype), group_sizes_E)
+    # The weights themselves are kept (held anyway: the parameter, or its cast as the 16-bit
+    # GEMM's backward holds it), not their float8 copy: one more weight-sized buffer per layer.
+    return y, (x_q, w_EDF, group_sizes_E)
 
   def _bwd(residuals, dy_XF):
-    x_q, w_q, group_sizes_E, w_zero = residuals
+    # Tied to dy, which only the backward pass has, so that XLA neither merges the dequantized
+    # operands with the forward's identical ones nor makes them early: either way every layer's
+    # would be held from the forward pass to the backward (as jmoe/ops/fp8_grouped.py says).
+    (x_q, w_EDF, group_sizes_E), dy_XF = jax.lax.optimization_barrier((residuals, dy_XF))
     dtype = dy_XF.dtype
     x_XD = dequantize_blocks(*x_q, (1,), dtype)
-    w_EDF = dequantize_blocks(*w_q, (1, 2), dtype)
+    w_deq = blockwise_round_trip(w_EDF, (1, 2)).astype(dtype)
     dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
-    _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_EDF)
+    _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_deq)
     dx_XD, dw_EDF = vjp(dy_XF)
-    return dx_XD, dw_EDF.astype(w_zero.dtype), None
+    return dx_XD, dw_EDF.astype(w_EDF.dtype), None
 
   grouped.defvjp(_fwd, _bwd)
   return lambda x_XD, w_EDF, group_sizes_E: grouped(x_XD, _varying_like(w_EDF, x_XD),
