@@ -19,7 +19,7 @@ from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
 FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items()
                 if backend.fp8 and backend.portable}
 from jmoe.train.loop import train
-from helpers import tiny_config
+from helpers import tiny_config, weight_copies_grown
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -155,6 +155,21 @@ def test_batched_fp8_gemm_against_float32():
   assert 1e-3 < rel(y, ref_y) < FWD_TOL
   for got, want in zip(vjp(dy), ref_vjp(dy)):
     assert 1e-3 < rel(got, want) < GRAD_TOL
+
+
+def test_batched_fp8_does_not_hold_the_weights_float8_copy_until_the_backward_pass():
+  """The expert blocks' FP8 GEMM quantizes the weights again in the backward pass rather than
+  keeping each layer's float8 copy: 4 more layers grew the temporaries by 4.1 such copies that
+  way, by 0.1 now. The batched contraction stands in opaque, as cuBLAS reads its operands."""
+  def opaque(a, b, *rest):
+    a, b = jax.lax.optimization_barrier((a, b))
+    return jax.lax.dot_general(a, b, (((rest[0],), (rest[1],)), ((0,), (0,))),
+                               preferred_element_type=rest[2])
+
+  blocks = batched_fp8(contract=opaque)
+  gemm = lambda x, w, sizes: blocks(x.reshape(len(sizes), -1, x.shape[1]), w).reshape(
+      x.shape[0], -1)
+  assert weight_copies_grown(gemm, more_layers=4) < 1
 
 
 @pytest.mark.parametrize("capacity", [16, 32, 64])

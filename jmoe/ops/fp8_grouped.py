@@ -124,8 +124,10 @@ def _varying_like(w, x):
   return jax.lax.pcast(w, extra, to="varying") if extra else w
 
 
-def batched_fp8(grad_format: str = "e5m2"):
-  """Per-expert blocks (x_ECD, w_EDF) -> y_ECF in FP8 through XLA's batched GEMM (cuBLASLt).
+def batched_fp8(grad_format: str = "e5m2", contract=None):
+  """Per-expert blocks (x_ECD, w_EDF) -> y_ECF in FP8 through XLA's batched GEMM (cuBLASLt;
+  `contract(a, b, a_axis, b_axis, out_dtype)`, batched over the leading axis: tests stand in
+  their own).
 
   Scales: x per row (slot), w per expert; dy per row for the input gradient; for the weight
   gradient the row scales of x fold into dy, which gets one scale per expert. The forward hands
@@ -133,6 +135,7 @@ def batched_fp8(grad_format: str = "e5m2"):
   cuBLASLt's FP8 GEMM takes without a copy.
   """
   grad_dtype = FORMATS[grad_format]
+  contract = contract or _contract
 
   @jax.custom_vjp
   def gemm(x_ECD, w_EDF):
@@ -142,30 +145,32 @@ def batched_fp8(grad_format: str = "e5m2"):
     scale_EC1 = scale_for(amax(x_ECD, axis=2, keepdims=True), E4M3)
     scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
     x_q, w_q = quantize(x_ECD, scale_EC1, E4M3), quantize(w_EDF, scale_E11, E4M3)
-    y_ECF = _contract_batched(x_q, jnp.swapaxes(w_q, 1, 2), 2, 2, x_ECD.dtype)
+    y_ECF = contract(x_q, jnp.swapaxes(w_q, 1, 2), 2, 2, x_ECD.dtype)
     y_ECF = (y_ECF.astype(jnp.float32) * scale_EC1 * scale_E11).astype(x_ECD.dtype)
-    return y_ECF, (x_q, scale_EC1, w_q, scale_E11, jnp.zeros((), w_EDF.dtype))
+    return y_ECF, (x_q, scale_EC1, w_EDF, scale_E11)
 
   def bwd(residuals, dy_ECF):
-    x_q, scale_EC1, w_q, scale_E11, w_zero = residuals
+    # The weights quantized again, tied to dy (as in `grouped_fp8`), not kept from the forward.
+    (x_q, scale_EC1, w_EDF, scale_E11), dy_ECF = jax.lax.optimization_barrier(
+        (residuals, dy_ECF))
+    w_q = quantize(w_EDF, scale_E11, E4M3)
     amax_dy_EC1 = amax(dy_ECF, axis=2, keepdims=True)
     scale_dy_EC1 = scale_for(amax_dy_EC1, grad_dtype)
-    dx_ECD = _contract_batched(quantize(dy_ECF, scale_dy_EC1, grad_dtype), w_q, 2, 2,
-                               dy_ECF.dtype)
+    dx_ECD = contract(quantize(dy_ECF, scale_dy_EC1, grad_dtype), w_q, 2, 2, dy_ECF.dtype)
     dx_ECD = dx_ECD.astype(jnp.float32) * scale_dy_EC1 * scale_E11
     folded_ECF = dy_ECF.astype(jnp.float32) * scale_EC1
     scale_folded_E11 = scale_for(jnp.max(amax_dy_EC1 * scale_EC1, axis=1, keepdims=True),
                                  grad_dtype)  # (as in `grouped_fp8`)
-    dw_EDF = _contract_batched(x_q, quantize(folded_ECF, scale_folded_E11, grad_dtype), 1, 1,
-                               dy_ECF.dtype)
+    dw_EDF = contract(x_q, quantize(folded_ECF, scale_folded_E11, grad_dtype), 1, 1,
+                      dy_ECF.dtype)
     dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded_E11
-    return dx_ECD.astype(dy_ECF.dtype), dw_EDF.astype(w_zero.dtype)
+    return dx_ECD.astype(dy_ECF.dtype), dw_EDF.astype(w_EDF.dtype)
 
   gemm.defvjp(fwd, bwd)
   return lambda x_ECD, w_EDF: gemm(x_ECD, _varying_like(w_EDF, x_ECD))
 
 
-def _contract_batched(a, b, a_axis: int, b_axis: int, out_dtype):
+def _contract(a, b, a_axis: int, b_axis: int, out_dtype):
   """Batched over the leading axis, contracting a's `a_axis` with b's `b_axis`."""
   return jax.lax.dot_general(a, b, (((a_axis,), (b_axis,)), ((0,), (0,))),
                              preferred_element_type=out_dtype)
