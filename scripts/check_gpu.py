@@ -45,7 +45,8 @@ SHAPES = {"up": (128, 2048, 1536), "down": (128, 768, 2048), "odd": (6, 96, 80),
           # the other families' expert shapes (their default or tuned tiles)
           "gpt_oss_up": (32, 2880, 5760), "gpt_oss_down": (32, 2880, 2880),
           "deepseek_up": (64, 7168, 4096), "deepseek_down": (64, 2048, 7168),
-          "mixtral_down": (8, 14336, 4096), "qwen3_235b_up": (128, 4096, 3072),
+          "mixtral_up": (8, 4096, 28672), "mixtral_down": (8, 14336, 4096),
+          "qwen3_235b_up": (128, 4096, 3072),
           "qwen3_235b_down": (128, 1536, 4096)}
 ROUTINGS = ("balanced", "skewed", "empty")
 # --quick: one routing per shape, each shape class once
