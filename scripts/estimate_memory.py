@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = make_layout(config.parallel, devices)
     result = estimate(config, layout, platform=platform)
     device_bytes = int(args.device_memory_gib * 2**30)
-    print(f"{len(devices)} {platform} device(s), per device:\n{layout.describe()}")
+    moe_layers = config.model.num_layers - config.moe.first_k_dense
+    print(f"{len(devices)} {platform} device(s), per device:\n{layout.describe(moe_layers)}")
     print(result.table(device_bytes or None))
     if args.largest:
       print("largest buffers at the peak:")

@@ -200,6 +200,11 @@ def test_stage_axis_is_outermost_and_shown():
   assert layout.mesh.axis_names[0] == "stage" and layout.mesh.shape["stage"] == 2
   table = layout.describe()
   assert "stage" in table.splitlines()[1] and "pipeline: 2 stages" in table
+  # with the model's MoE layers, the table says how they are shared out over the stages
+  uneven = make_layout(uneven_config(5, UNEVEN["5_layers_pp2_repeats2"][1]).parallel)
+  assert uneven.describe(5).splitlines()[-1] == (
+      "pipeline: MoE layers per stage: 2, 3 (per virtual stage, each stage's repeats: 1+1, "
+      "2+1); each group runs 2 slots, masked where it has fewer layers")
 
 
 def test_bubble_fraction():

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jmoe.model.block import LayerStats
 from jmoe.model.stack import depth, run_stack
-from jmoe.parallel import Layout, constrain
+from jmoe.parallel import Layout, constrain, stage_balance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +97,7 @@ class Slots:
 
   def describe(self) -> str:
     """The balance: MoE layers per stage, and per group (virtual stage) where R > 1."""
-    counts_RS = np.asarray(self.counts).reshape(-1, self.stages)
-    per_stage = ", ".join(str(c) for c in counts_RS.sum(0))
-    text = f"MoE layers per stage: {per_stage}"
-    if counts_RS.shape[0] > 1:
-      text += (" (per virtual stage, each stage's repeats: "
-               + ", ".join("+".join(str(c) for c in counts_RS[:, s]) for s in range(self.stages))
-               + ")")
-    if not self.even:
-      text += f"; each group runs {self.width} slots, masked where it has fewer layers"
-    return text
+    return stage_balance(self.counts, self.stages)
 
 
 def slots_of(layout: Layout, num_layers: int) -> Slots:

@@ -4,4 +4,4 @@ Mesh axis names appear only here (and inside `shard_map` bodies); model code spe
 """
 
 from jmoe.parallel.mesh import (ExpertAxes, Layout, active_layout, constrain, gathered,
-                                in_stages, make_layout, split_count)
+                                in_stages, make_layout, split_count, stage_balance)

@@ -191,8 +191,9 @@ class Layout:
                       num_expert_shards=f.expert_sizes["expert"],
                       num_tensor_shards=f.expert_sizes["tensor"])
 
-  def describe(self) -> str:
-    """A table of the mesh axes and what each layout uses them for."""
+  def describe(self, moe_layers: int | None = None) -> str:
+    """A table of the mesh axes and what each layout uses them for; with pipeline stages and
+    the model's `moe_layers`, how they are shared out over the stages."""
     f = self.folding
     rows = [f"{'mesh axis':<16}{'size':>5}  {'dense role':<10}  expert role"]
     for name, size in zip(f.axis_names, f.axis_sizes):
@@ -205,6 +206,8 @@ class Layout:
     if f.stages > 1:
       rows.append(f"pipeline: {f.stages} stages x {f.repeats} repeat(s) of the MoE blocks; "
                   f"elsewhere the stage axis splits the batch and shards the weights")
+      if moe_layers:
+        rows.append(f"pipeline: {stage_balance(self.layer_groups(moe_layers), f.stages)}")
     return "\n".join(rows)
 
   def _spec(self, groups: Sequence[tuple[str, ...]], shape: Sequence[int]) -> P:
@@ -237,6 +240,19 @@ _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jmoe_la
 
 def active_layout() -> Layout | None:
   return _ACTIVE.get()
+
+
+def stage_balance(counts: Sequence[int], stages: int) -> str:
+  """How the MoE layers are shared out: per stage, and per group (virtual stage) where the
+  stages have repeats; `counts`: each group's layers, group r * stages + s on stage s."""
+  counts_RS = np.asarray(counts).reshape(-1, stages)
+  text = "MoE layers per stage: " + ", ".join(str(c) for c in counts_RS.sum(0))
+  if counts_RS.shape[0] > 1:
+    text += (" (per virtual stage, each stage's repeats: "
+             + ", ".join("+".join(str(c) for c in counts_RS[:, s]) for s in range(stages)) + ")")
+  if len(set(counts)) > 1:
+    text += f"; each group runs {max(counts)} slots, masked where it has fewer layers"
+  return text
 
 
 def gathered(variable: nnx.Variable, dtype) -> jax.Array:

@@ -91,7 +91,8 @@ class Trainer:
     self.spec = spec = state_spec(config, layout, optimizer)
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
-             layout.mesh.devices.size, jax.default_backend(), layout.describe())
+             layout.mesh.devices.size, jax.default_backend(),
+             layout.describe(config.model.num_layers - config.moe.first_k_dense))
     if config.precision.gemm == "fp8":  # what FP8 covers (its default changed on 2026-12-04)
       p = config.precision
       covered = [name for name, on in (("the routed experts'", p.fp8_experts),
