@@ -48,7 +48,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
           records += trainer.train(mark - done, final_save=mark == timed)
           jax.block_until_ready(trainer.state)
           stepped += time.perf_counter() - t0
-        loop_samples += clocks.samples
+        loop_samples += clocks.samples + "\n"  # (a line the stop cut short stays apart)
         done = mark
         if mark < timed:
           probe_s, probe_clocks = bare_step_s(trainer, warmup, keep=False)
@@ -103,10 +103,11 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
 
 def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[float, GpuClocks]:
   """Seconds per step of the trainer's compiled step on its current state, timed as the bench
-  times it (`warmup` steps first, one sync at the end), and the GPUs' clocks meanwhile. Each
-  timed step takes its own batch, the next ones of the trainer's data, put on the devices
-  beforehand: the loop's steps each route a new batch, and how evenly a batch's tokens spread
-  over the experts changes a step's time. `keep`: the trainer goes on from the state reached;
+  times it (`warmup` steps first, one sync at the end), and the GPUs' clocks meanwhile. Unlike
+  the bench, which repeats one batch, each timed step takes its own, the next ones of the
+  trainer's data, put on the devices beforehand: the loop's steps each route a new batch, and
+  how evenly a batch's tokens spread over the experts changes a step's time (probes before
+  2026-12-04 repeated one batch). `keep`: the trainer goes on from the state reached;
   else the steps run on a copy (one more state on the device for the while)."""
   import jax
   import jax.numpy as jnp

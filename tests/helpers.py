@@ -69,20 +69,36 @@ def plain_attention(q_BSHA, k_BSGA, v_BSGW, sinks_H, *, scale, window=0, segment
   return jnp.einsum("bhst,bthw->bshw", p, v_BSHW, precision="highest")
 
 
-def weight_copies_grown(gemm, more_layers: int, experts: int = 8, width: int = 512,
-                        rows: int = 64) -> float:
+
+def opaque(fn):
+  """`fn` with its first two operands made opaque to XLA: it must hold them in memory, as a GPU
+  kernel reads its operands, rather than fuse how they are made into its consumer."""
+  def call(a, b, *args, **kwargs):
+    a, b = jax.lax.optimization_barrier((a, b))
+    return fn(a, b, *args, **kwargs)
+  return call
+
+
+def sixteen_bit(x, w, sizes):
+  """XLA's 16-bit grouped GEMM, differentiated by JAX: what a layer holds without FP8."""
+  return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
+
+
+def weight_copies_grown(gemm, more_layers: int, param_dtype=jnp.bfloat16, experts: int = 8,
+                        width: int = 512, rows: int = 64) -> float:
   """How much XLA's temporaries for the gradient of a stack of `gemm` layers (x -> tanh(gemm(x,
-  w, sizes)), [experts, width, width] bf16 weights, `rows` tokens) grow with `more_layers` more
-  layers, in float8 copies of one layer's weights: what a layer holds from its forward pass to
-  its backward beyond its small activations."""
+  w, sizes)), [experts, width, width] weights in `param_dtype` cast to bf16 as the MoE layer
+  casts them, `rows` tokens) grow with `more_layers` more layers, in float8 copies of one
+  layer's weights: what a layer holds from its forward pass to its backward beyond its small
+  activations."""
   sizes = jnp.full((experts,), rows // experts, jnp.int32)
 
   def temporaries(layers):
     def loss(ws, x):
       for w in ws:
-        x = jnp.tanh(gemm(x, w, sizes))
+        x = jnp.tanh(gemm(x, w.astype(jnp.bfloat16), sizes))
       return jnp.sum(x.astype(jnp.float32))
-    ws = [jax.ShapeDtypeStruct((experts, width, width), jnp.bfloat16)] * layers
+    ws = [jax.ShapeDtypeStruct((experts, width, width), param_dtype)] * layers
     x = jax.ShapeDtypeStruct((rows, width), jnp.bfloat16)
     return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 

@@ -19,7 +19,7 @@ from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
 FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items()
                 if backend.fp8 and backend.portable}
 from jmoe.train.loop import train
-from helpers import tiny_config, weight_copies_grown
+from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -160,16 +160,18 @@ def test_batched_fp8_gemm_against_float32():
 def test_batched_fp8_does_not_hold_the_weights_float8_copy_until_the_backward_pass():
   """The expert blocks' FP8 GEMM quantizes the weights again in the backward pass rather than
   keeping each layer's float8 copy: 4 more layers grew the temporaries by 4.1 such copies that
-  way, by 0.1 now. The batched contraction stands in opaque, as cuBLAS reads its operands."""
-  def opaque(a, b, *rest):
-    a, b = jax.lax.optimization_barrier((a, b))
-    return jax.lax.dot_general(a, b, (((rest[0],), (rest[1],)), ((0,), (0,))),
-                               preferred_element_type=rest[2])
+  way, by 0.1 now with bf16 parameters; with float32 ones, by less than the 16-bit GEMM's. The
+  batched contraction stands in opaque, as cuBLAS reads its operands."""
+  def contract(a, b, a_axis, b_axis, out_dtype):
+    return jax.lax.dot_general(a, b, (((a_axis,), (b_axis,)), ((0,), (0,))),
+                               preferred_element_type=out_dtype)
 
-  blocks = batched_fp8(contract=opaque)
+  blocks = batched_fp8(contract=opaque(contract))
   gemm = lambda x, w, sizes: blocks(x.reshape(len(sizes), -1, x.shape[1]), w).reshape(
       x.shape[0], -1)
   assert weight_copies_grown(gemm, more_layers=4) < 1
+  assert (weight_copies_grown(gemm, more_layers=4, param_dtype=jnp.float32)
+          < weight_copies_grown(opaque(sixteen_bit), more_layers=4, param_dtype=jnp.float32))
 
 
 @pytest.mark.parametrize("capacity", [16, 32, 64])

@@ -11,7 +11,7 @@ from jmoe.config import ConfigError
 from jmoe.ops.fp8 import recipe_from_config
 from jmoe.ops.fp8_blockwise import blockwise_grouped, dequantize_blocks, quantize_blocks
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
-from helpers import tiny_config, weight_copies_grown
+from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -123,9 +123,5 @@ def test_the_weights_blockwise_copies_are_not_held_from_the_forward_pass_to_the_
   """The backward pass quantizes and dequantizes the weights again rather than keeping the
   forward's float8 copy (or, merged with the forward's by XLA, its dequantized bf16 one) for
   every layer: 4 more layers grew the temporaries by 5.1 float8 weight copies that way, by none
-  now. The 16-bit GEMM stands in opaque, as a GPU kernel takes its operands from memory."""
-  def opaque_gemm(x, w, sizes):
-    x, w = jax.lax.optimization_barrier((x, w))
-    return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
-
-  assert weight_copies_grown(blockwise_grouped(opaque_gemm), more_layers=4) < 1
+  now (bf16 parameters; the 16-bit GEMM stands in opaque, as a GPU kernel reads its operands)."""
+  assert weight_copies_grown(blockwise_grouped(opaque(sixteen_bit)), more_layers=4) < 1

@@ -15,7 +15,7 @@ from jmoe.ops import mosaic_gemm
 from jmoe.ops.fp8_grouped import grouped_fp8
 from jmoe.ops.fp8_mosaic import group_aligned_columns, mosaic_fp8_kernels, row_tiles
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
-from helpers import weight_copies_grown
+from helpers import opaque, sixteen_bit, weight_copies_grown
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 SIZES = [[5, 0, 9, 3, 7], [0, 0, 24, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]
@@ -267,22 +267,15 @@ def test_auto_weight_gradient_goes_by_the_experts_mean_rows():
     assert used == [want, want]
 
 
-
-def opaque(kernel):
-  """`kernel` with operands XLA must materialize (as a GPU kernel's), not fuse into it."""
-  def call(a, b, table, **kw):
-    a, b = jax.lax.optimization_barrier((a, b))
-    return kernel(a, b, table, **kw)
-  return call
-
-
 def test_the_float8_weight_copies_are_not_held_from_the_forward_pass_to_the_backward():
   """Each layer's weights are quantized in its forward pass and again in its backward pass;
   XLA must not keep the forward's float8 copy for the backward (it would, merging the two
   identical quantizations, or scheduling the backward's early): the step's temporaries would
-  then grow by a weight copy per layer, 4.5 GiB on the Qwen3-30B-A3B bench. 4 more layers: 4
-  more copies if they are held (5.0 measured that way), about one when not (1.0: the layers'
-  own activations and buffer packing)."""
+  then grow by a weight copy per layer, about 4.5 GiB on the Qwen3-30B-A3B bench by its shapes.
+  4 more layers with bf16 parameters: 5.0 copies' worth before, 1.0 now (the layers' own
+  activations and buffer packing). With float32 ones, no more than the 16-bit GEMM holds."""
   gemm = grouped_fp8(mosaic_fp8_kernels(opaque(fake_rows), opaque(fake_contract),
                                         fake_contract16), weight_gradient="bf16")
   assert weight_copies_grown(gemm, more_layers=4) < 2
+  assert (weight_copies_grown(gemm, more_layers=4, param_dtype=jnp.float32)
+          < weight_copies_grown(opaque(sixteen_bit), more_layers=4, param_dtype=jnp.float32))

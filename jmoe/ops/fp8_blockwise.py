@@ -43,15 +43,17 @@ def _tiles(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, tuple[int, .
   return x.reshape(shape), tuple(tile_axes)
 
 
-def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3
-                    ) -> tuple[jax.Array, jax.Array]:
+def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3,
+                    scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(x_q, scale): x in float8 with one float32 scale per tile that is 128 long on each of `axes`
   (negative axes count from the end) and 1 on the others; scale has x's shape with each of those
-  axes divided by 128 (rounded up: a partial tile at the end is a tile)."""
+  axes divided by 128 (rounded up: a partial tile at the end is a tile). `scale`: the tiles'
+  scales as this returns them, to quantize with (from the tiles' amaxes if not given)."""
   axes = tuple(sorted(a % x.ndim for a in axes))
   tiled, tile_axes = _tiles(x, axes)
   within = tuple(a + 1 for a in tile_axes)
-  scale = scale_for(amax(tiled, axis=within, keepdims=True), dtype)
+  scale = (scale_for(amax(tiled, axis=within, keepdims=True), dtype) if scale is None
+           else jnp.expand_dims(scale, within))
   x_q = quantize(tiled, scale, dtype).reshape(
       tuple(-(-x.shape[a] // BLOCK) * BLOCK if a in axes else x.shape[a] for a in range(x.ndim)))
   return x_q[tuple(slice(0, n) for n in x.shape)], jnp.squeeze(scale, within)
@@ -85,21 +87,25 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2"):
     return _fwd(x_XD, w_EDF, group_sizes_E)[0]
 
   def _fwd(x_XD, w_EDF, group_sizes_E):
-    x_q = quantize_blocks(x_XD, (1,))
-    y = gemm(dequantize_blocks(*x_q, (1,), x_XD.dtype),
-             blockwise_round_trip(w_EDF, (1, 2)).astype(x_XD.dtype), group_sizes_E)
-    # The weights themselves are kept (held anyway: the parameter, or its cast as the 16-bit
-    # GEMM's backward holds it), not their float8 copy: one more weight-sized buffer per layer.
-    return y, (x_q, w_EDF, group_sizes_E)
+    x_q, x_scale = quantize_blocks(x_XD, (1,))
+    w_q, w_scale = quantize_blocks(w_EDF, (1, 2))
+    y = gemm(dequantize_blocks(x_q, x_scale, (1,), x_XD.dtype),
+             dequantize_blocks(w_q, w_scale, (1, 2), x_XD.dtype), group_sizes_E)
+    # The weights' tile scales are kept, not their float8 copy (one more weight-sized buffer
+    # per layer): the backward pass quantizes the weights again with them.
+    return y, (x_q, x_scale, w_EDF, w_scale, group_sizes_E)
 
   def _bwd(residuals, dy_XF):
-    # Tied to dy, which only the backward pass has, so that XLA neither merges the dequantized
-    # operands with the forward's identical ones nor makes them early: either way every layer's
-    # would be held from the forward pass to the backward (as jmoe/ops/fp8_grouped.py says).
-    (x_q, w_EDF, group_sizes_E), dy_XF = jax.lax.optimization_barrier((residuals, dy_XF))
+    x_q, x_scale, w_EDF, w_scale, group_sizes_E = residuals
+    # The scales tied to dy, which only the backward pass has, so that XLA neither merges the
+    # dequantized operands with the forward's identical ones nor makes them early: either way
+    # every layer's would be held from the forward pass to the backward (as in
+    # jmoe/ops/fp8_grouped.py).
+    (x_scale, w_scale), dy_XF = jax.lax.optimization_barrier(((x_scale, w_scale), dy_XF))
     dtype = dy_XF.dtype
-    x_XD = dequantize_blocks(*x_q, (1,), dtype)
-    w_deq = blockwise_round_trip(w_EDF, (1, 2)).astype(dtype)
+    x_XD = dequantize_blocks(x_q, x_scale, (1,), dtype)
+    w_deq = dequantize_blocks(quantize_blocks(w_EDF, (1, 2), scale=w_scale)[0], w_scale, (1, 2),
+                              dtype)
     dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
     _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_deq)
     dx_XD, dw_EDF = vjp(dy_XF)
