@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     devices, _ = devices_for(args.devices, argv is not None)
     layout = make_layout(config.parallel, devices)
     result = communication(config, layout)
-    moe_layers = config.model.num_layers - config.moe.first_k_dense
-    print(f"{len(devices)} device(s), per device per step:\n{layout.describe(moe_layers)}")
+    print(f"{len(devices)} device(s), per device per step:\n"
+          f"{layout.describe(config.moe_layers)}")
     for kind, sent in result["bytes_per_device"].items():
       line = f"  {kind:<19}{sent / 2**20:12.3f} MiB"
       if kind in result["per_overflow_round"]:

@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = make_layout(config.parallel, devices)
     result = estimate(config, layout, platform=platform)
     device_bytes = int(args.device_memory_gib * 2**30)
-    moe_layers = config.model.num_layers - config.moe.first_k_dense
-    print(f"{len(devices)} {platform} device(s), per device:\n{layout.describe(moe_layers)}")
+    print(f"{len(devices)} {platform} device(s), per device:\n"
+          f"{layout.describe(config.moe_layers)}")
     print(result.table(device_bytes or None))
     if args.largest:
       print("largest buffers at the peak:")
@@ -97,7 +97,7 @@ def pipeline(config, layout) -> dict:
   layer where the groups are uneven (a synchronous pipeline waits for its largest group)."""
   from jmoe.model.pipeline import bubble_fraction, slots_of
   micro = config.train.num_micro_batches
-  slots = slots_of(layout, config.model.num_layers - config.moe.first_k_dense)
+  slots = slots_of(layout, config.moe_layers)
   bubble = bubble_fraction(layout.stages, layout.repeats, micro)
   masked = 1 - sum(slots.counts) / (len(slots.counts) * slots.width)
   print(f"pipeline: {micro} micro-batches through {layout.stages} stages x {layout.repeats} "

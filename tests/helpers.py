@@ -69,7 +69,6 @@ def plain_attention(q_BSHA, k_BSGA, v_BSGW, sinks_H, *, scale, window=0, segment
   return jnp.einsum("bhst,bthw->bshw", p, v_BSHW, precision="highest")
 
 
-
 def opaque(fn):
   """`fn` with its first two operands made opaque to XLA: it must hold them in memory, as a GPU
   kernel reads its operands, rather than fuse how they are made into its consumer."""

@@ -388,6 +388,12 @@ class Config:
   checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
   lora: LoRAConfig = field(default_factory=LoRAConfig)
 
+  @property
+  def moe_layers(self) -> int:
+    """The MoE blocks' layers, after the first `moe.first_k_dense` dense ones: the stack that
+    pipeline stages split."""
+    return self.model.num_layers - self.moe.first_k_dense
+
 
 def to_dict(config) -> dict:
   """A plain nested dict (JSON-ready) of any config dataclass."""

@@ -307,7 +307,7 @@ def _pipeline(config: Config):
       yield ("parallel.pipeline_layers, pipeline_first and pipeline_last assign layers to "
              "pipeline stages: set parallel.pipeline > 1")
     return
-  moe_layers = config.model.num_layers - config.moe.first_k_dense
+  moe_layers = config.moe_layers
   if moe_layers <= 0:
     yield ("parallel.pipeline splits the MoE layers into stages, and this model has none "
            "(moe.first_k_dense = model.num_layers)")

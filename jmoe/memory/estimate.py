@@ -93,7 +93,7 @@ def estimate(config: Config, layout: Layout, *, platform: str | None = None) -> 
   kinds = _state_kinds(spec.abstract) + ["batch"]
   # Weight-shaped values (gradients, weights cast for compute) are placed like the weights.
   weights: dict[tuple[int, ...], tuple[int, Any]] = {}
-  moe_layers = config.model.num_layers - config.moe.first_k_dense
+  moe_layers = config.moe_layers
   for leaf, sharding in zip(jax.tree.leaves(spec.abstract.params),
                             jax.tree.leaves(spec.shardings.params)):
     d = divisor(sharding.spec, mesh)

@@ -314,7 +314,7 @@ def routed_bytes(config: Config, layout: Layout) -> float:
   ep = axes.num_expert_shards
   tokens = config.train.batch_size * config.data.seq_len / layout.mesh.size
   copies = tokens * axes.num_tensor_shards * config.moe.top_k * (ep - 1) / ep
-  moe_layers = config.model.num_layers - config.moe.first_k_dense + config.model.mtp_depth
+  moe_layers = config.moe_layers + config.model.mtp_depth
   item = np.dtype(jax.numpy.dtype(config.precision.compute)).itemsize
   return 4 * moe_layers * copies * config.model.d_model * item
 

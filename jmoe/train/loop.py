@@ -92,7 +92,7 @@ class Trainer:
     num_params = sum(x.size for x in jax.tree.leaves(spec.abstract.params))
     log.info("%.2fM parameters on %d %s device(s); layout:\n%s", num_params / 1e6,
              layout.mesh.devices.size, jax.default_backend(),
-             layout.describe(config.model.num_layers - config.moe.first_k_dense))
+             layout.describe(config.moe_layers))
     if config.precision.gemm == "fp8":  # what FP8 covers (its default changed on 2026-12-04)
       p = config.precision
       covered = [name for name, on in (("the routed experts'", p.fp8_experts),
@@ -313,7 +313,7 @@ def log_pipeline(config: Config, layout) -> None:
   log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
            "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
            layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
-           slots_of(layout, config.model.num_layers - config.moe.first_k_dense).describe())
+           slots_of(layout, config.moe_layers).describe())
   if sched.kind != "gpipe" and config.train.remat != "none":
     log.info("pipeline: train.remat=%s under %s: each backward slot recomputes its stage's "
              "forward pass from the stage's input, and inside it the policy recomputes what it "
