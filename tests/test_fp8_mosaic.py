@@ -1,7 +1,10 @@
-"""The XLA side of the Mosaic FP8 grouped GEMMs, on CPU: the row-tile table, the group-aligned
-layout of the weight gradient, and what reaches the kernels, with stand-in kernels that compute
-the kernels' contract in XLA (and leave NaN where a kernel leaves memory unwritten). The kernels
-themselves run only on Hopper: scripts/check_gpu.py --fp8."""
+"""The Mosaic FP8 grouped GEMMs on CPU: the row-tile table, the group-aligned layout of the
+weight gradient, and what reaches the kernels, with stand-in kernels that compute the kernels'
+contract in XLA (and leave NaN where a kernel leaves memory unwritten); the kernels themselves
+through Pallas' Mosaic-GPU interpreter (their logic: tiles, pipelines, partial stores; the
+interpreter sums in float32 exactly, so the tensor cores' own accumulation is checked only on
+Hopper, by scripts/check_gpu.py --fp8) and lowered for Hopper (Mosaic's layout inference and
+lowering run; the GPU compiler's register allocation does not)."""
 
 import dataclasses
 
@@ -158,6 +161,70 @@ def test_fp8_with_mosaic_runs_the_mosaic_kernels(monkeypatch):
 
 def test_kernels_module_imports_without_a_gpu():
   assert callable(kernels.ragged_rows) and callable(kernels.aligned_contract)
+
+
+def gpu_check():
+  import pathlib
+  import sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
+  try:
+    import check_gpu_fp8
+  finally:
+    sys.path.pop(0)
+  return check_gpu_fp8
+
+
+def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
+  """The kernels, interpreted, through scripts/check_gpu_fp8.py's kernel case and its end-to-end
+  case (FP8 weight gradient: every kernel, no 16-bit one): three empty experts and 62 rows past
+  the groups; a contraction of 640 (5 K steps, one more than the 4 in flight) in the forward and
+  a 192-wide output (64-wide tiles), the input gradient's contraction padded from 192 to 256;
+  three experts' rows in the first row block, the last expert's over 4 blocks. The interpreter's float32
+  sums leave the output's bf16 rounding as the whole error (1.66e-3 of 3e-3 allowed)."""
+  check = gpu_check()
+  monkeypatch.setitem(check.SHAPES, "small", (6, 640, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  sizes = c["sizes"]
+  assert list(sizes) == [0, 39, 39, 0, 360, 0]
+  got = check.kernel_case(c)
+  assert got["ok"], got
+  assert max(got["out"], got["dx"], got["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE, got
+  got = check.grouped_case(c, "fp8")
+  assert got["ok"], got
+
+
+def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
+  """The same case fails with a kernel that stops one K step short (the interpreter runs what
+  the kernel says, not what it should)."""
+  check = gpu_check()
+  monkeypatch.setitem(check.SHAPES, "small", (6, 640, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  real = kernels.ragged_rows
+
+  def short(a, b, table, *, block_k, **kw):  # the contraction's last K step left out
+    return real(a[:, :-block_k], b[..., :-block_k], table, block_k=block_k, **kw)
+
+  monkeypatch.setattr(kernels, "ragged_rows", short)
+  got = check.kernel_case(c)
+  assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
+
+
+@pytest.mark.parametrize("f8", F8)
+def test_the_kernels_lower_for_hopper(f8):
+  """Both kernels through Mosaic GPU's lowering for CUDA on this CPU host: a Mosaic custom call
+  in the lowered program, for either float8 format, at a Qwen3-like width."""
+  import functools
+  blocks = dict(block_m=128, block_n=128, block_k=128, steps=4, grid_block_n=2,
+                interpret=False)
+  shape = jax.ShapeDtypeStruct
+  rows = jax.jit(functools.partial(kernels.ragged_rows, **blocks)).trace(
+      shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn),
+      shape((4, 11), jnp.int32)).lower(lowering_platforms=("cuda",))
+  contract = jax.jit(functools.partial(kernels.aligned_contract, **blocks)).trace(
+      shape((256, 1536), f8), shape((512, 1536), f8),
+      shape((2, 4), jnp.int32)).lower(lowering_platforms=("cuda",))
+  for lowered in (rows, contract):
+    assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 
 def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatch):

@@ -33,9 +33,18 @@ def _num_sms() -> int:
   return getattr(jax.devices()[0], "core_count", None) or 132
 
 
+def _interpret_params(interpret: bool | None):
+  """Pallas' GPU interpreter's parameters where the kernel is to be interpreted (`interpret`;
+  None: on hosts without a GPU, as tests on CPU run it), else None (compiled for the GPU)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  return plgpu.InterpretGPUParams() if interpret else None
+
+
 def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block_m: int,
                 block_n: int, block_k: int, steps: int, grid_block_n: int,
-                out_dtype=jnp.bfloat16) -> jax.Array:
+                out_dtype=jnp.bfloat16, interpret: bool | None = None) -> jax.Array:
   """[M, N]: for each row tile t (table_4T[:, t] = expert, row block, first row within the
   block, row count; count 0: nothing to do), the rows [block * block_m + first, + count) of
   a . b[expert]^T. Rows no tile covers are left unwritten (the caller zeroes them)."""
@@ -92,14 +101,14 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
 
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),),
-      grid_names=("sm",),
+      grid_names=("sm",), interpret=_interpret_params(interpret),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return call(table_4T, a_MK, b_ENK)
 
 
 def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, block_m: int,
                      block_n: int, block_k: int, steps: int, grid_block_n: int,
-                     out_dtype=jnp.bfloat16) -> jax.Array:
+                     out_dtype=jnp.bfloat16, interpret: bool | None = None) -> jax.Array:
   """[E, D, F]: out[e] = a[:, c] . b[:, c]^T over expert e's columns c, which are the
   blocks_2E[1, e] column blocks (of block_k) from block blocks_2E[0, e]. An expert with no
   blocks gets zeros (the accumulator starts at zero). Every tile is written."""
@@ -147,7 +156,7 @@ def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, 
 
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((num_experts, d, f), out_dtype), grid=(_num_sms(),),
-      grid_names=("sm",),
+      grid_names=("sm",), interpret=_interpret_params(interpret),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return call(blocks_2E, a_DP, b_FP)
 
