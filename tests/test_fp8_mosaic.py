@@ -231,13 +231,7 @@ def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatc
   """scripts/check_gpu_fp8.py's cases with the stand-in kernels (float32 accumulation, one bf16
   rounding: what the kernels do) pass, well inside FP8_TOLERANCE; a kernel whose output is 2x
   on one expert's rows, or whose weight gradient misses a column block, fails."""
-  import pathlib
-  import sys
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
-  try:
-    import check_gpu_fp8 as check
-  finally:
-    sys.path.pop(0)
+  check = gpu_check()
   monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
   monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
   monkeypatch.setattr(mosaic_gemm, "ragged_contract", fake_contract16)
