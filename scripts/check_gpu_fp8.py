@@ -23,12 +23,17 @@ fp8_grouped_wfp8/..., in FP8): moe.gemm=mosaic with precision.gemm=fp8
 (`grouped_gemm("mosaic", "e5m2", weight_gradient=...)`) against float32 on the unquantized bf16 inputs, within FP8's
 own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past the groups exactly
 zero in y and dx: the wiring, the scales and the zeroing.
-`--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the Qwen3-30B-A3B shapes.
+Kernel cases with every row-kernel call's sums promoted to float32 each K step
+(fp8_kernels_promoted/SHAPE/ROUTING; `ragged_rows(promote=True)`, which jmoe runs for
+contractions of PROMOTE_FROM_K or more): the same tolerance.
+`--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the shapes asked (`odd`
+left out); the forward and input gradient also promoted and unpromoted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -74,17 +79,19 @@ def expert_rows(sizes) -> list[slice]:
   return [slice(int(s), int(e)) for s, e in zip(ends - sizes, ends)]
 
 
-def kernel_case(c: dict) -> dict:
+def kernel_case(c: dict, promote: bool | None = None) -> dict:
   """The three kernels on one case, scaled as the caller scales them, against the dequantized
-  float32 reference."""
+  float32 reference; the row kernels' sums promoted to float32 every K step as jmoe runs them
+  (None: on contractions of PROMOTE_FROM_K or more) or as `promote` says."""
   from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
   sizes = c["sizes"]
   groups = jnp.asarray(sizes)
   row_expert = np.repeat(np.arange(len(sizes)), sizes)
   used = int(sizes.sum())
   s_x, s_dy, s_w = host(c["s_x"])[:used], host(c["s_dy"])[:used], host(c["s_w"])[:, 0, 0]
-  y = jax.jit(lambda x, w: fp8_ragged_dot(x, jnp.swapaxes(w, 1, 2), groups))(c["x_q"], c["w_q"])
-  dx = jax.jit(lambda dy, w: fp8_ragged_dot(dy, w, groups))(c["dy_q"], c["w_q"])
+  y = jax.jit(lambda x, w: fp8_ragged_dot(x, jnp.swapaxes(w, 1, 2), groups, promote=promote))(
+      c["x_q"], c["w_q"])
+  dx = jax.jit(lambda dy, w: fp8_ragged_dot(dy, w, groups, promote=promote))(c["dy_q"], c["w_q"])
   dw = jax.jit(lambda x, g: fp8_aligned_contract(x, g, groups))(c["x_q"], c["folded_q"])
   y = host(y)[:used] * s_x * s_w[row_expert][:, None]
   dx = host(dx)[:used] * s_dy * s_w[row_expert][:, None]
@@ -161,17 +168,18 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
       c = quantized_case(shape, kind, rows, ROUTINGS.index(kind))
       if kind_of_check == "transpose":
         return {"check": check, **transpose_case(c)}
-      return {"check": check, **(kernel_case(c) if kind_of_check == "kernels"
-                                 else grouped_case(c, "fp8" if "wfp8" in kind_of_check
-                                                   else "bf16"))}
+      if kind_of_check.startswith("kernels"):
+        return {"check": check, **kernel_case(c, True if "promoted" in kind_of_check else None)}
+      return {"check": check, **grouped_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}
     return named(run, check)
 
   return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in ("transpose", "kernels", "grouped", "grouped_wfp8")]
+          for which in ("transpose", "kernels", "kernels_promoted", "grouped", "grouped_wfp8")]
 
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
-  """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing."""
+  """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing;
+  the row kernels also with their sums promoted to float32 every K step and without."""
   from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
   from jmoe.ops.mosaic_gemm import ragged, ragged_contract
   from tune_gemm import median_seconds
@@ -192,8 +200,15 @@ def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
     flops = 2 * rows * d * f
     for name, (fp8, fp8_args, bf16, bf16_args) in runs.items():
       t8, t16 = seconds(jax.jit(fp8), *fp8_args), seconds(jax.jit(bf16), *bf16_args)
-      out.append({"bench": f"fp8/{shape}/{name}", "rows": rows, "fp8_tflops": flops / t8 / 1e12,
-                  "bf16_tflops": flops / t16 / 1e12, "speedup": t16 / t8})
+      line = {"bench": f"fp8/{shape}/{name}", "rows": rows, "fp8_tflops": flops / t8 / 1e12,
+              "bf16_tflops": flops / t16 / 1e12, "speedup": t16 / t8}
+      if name != "drhs":
+        for promote in (True, False):
+          x, w = fp8_args
+          t = seconds(jax.jit(functools.partial(fp8_ragged_dot, group_sizes_E=groups,
+                                                promote=promote)), x, w)
+          line[f"fp8_{'' if promote else 'un'}promoted_tflops"] = flops / t / 1e12
+      out.append(line)
   return out
 
 
@@ -209,7 +224,8 @@ def main(argv=None) -> int:
   results = [] if args.bench_only else run_jobs(fp8_jobs(args.rows, args.shapes.split(",")),
                                                 args.workers)
   if args.bench or args.bench_only:
-    for line in bench(args.rows, args.shapes.split(",") if args.bench_only else ("up", "down")):
+    shapes = [s for s in args.shapes.split(",") if s != "odd"]
+    for line in bench(args.rows, shapes):
       print(json.dumps(line), flush=True)
   failed = [r["check"] for r in results if not r["ok"]]
   if not args.bench_only:

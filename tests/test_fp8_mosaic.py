@@ -62,7 +62,8 @@ def test_group_aligned_columns_hold_each_expert_in_whole_blocks(sizes):
   assert np.all(source[owned:] == 30)
 
 
-def fake_rows(a, b, table, *, block_m, block_n, block_k, steps, grid_block_n, out_dtype):
+def fake_rows(a, b, table, *, block_m, block_n, block_k, steps, grid_block_n, out_dtype,
+              promote=False):
   """ragged_rows' contract in XLA; rows no tile covers come back NaN (unwritten memory)."""
   assert a.dtype in F8 and b.dtype in F8 and a.shape[1] == b.shape[2]  # both K-major
   assert a.shape[0] % 8 == 0 and a.shape[1] % block_k == 0 and b.shape[1] % block_n == 0
@@ -174,26 +175,30 @@ def gpu_check():
   return check_gpu_fp8
 
 
-def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
+@pytest.mark.parametrize("promote", [None, True])
+def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
   """The kernels, interpreted, through scripts/check_gpu_fp8.py's kernel case and its end-to-end
   case (FP8 weight gradient: every kernel, no 16-bit one): three empty experts and 62 rows past
   the groups; a contraction of 640 (5 K steps, one more than the 4 in flight) in the forward and
   a 192-wide output (64-wide tiles), the input gradient's contraction padded from 192 to 256;
-  three experts' rows in the first row block, the last expert's over 4 blocks. The interpreter's float32
-  sums leave the output's bf16 rounding as the whole error (1.66e-3 of 3e-3 allowed)."""
+  three experts' rows in the first row block, the last expert's over 4 blocks. With the row
+  kernels' sums promoted to float32 every K step too (the carried sum). The interpreter's
+  float32 sums leave the output's bf16 rounding as the whole error (1.66e-3 of 3e-3 allowed)."""
   check = gpu_check()
   monkeypatch.setitem(check.SHAPES, "small", (6, 640, 192))
   c = check.quantized_case("small", "empty", 500, 2)
   sizes = c["sizes"]
   assert list(sizes) == [0, 39, 39, 0, 360, 0]
-  got = check.kernel_case(c)
+  got = check.kernel_case(c, promote)
   assert got["ok"], got
   assert max(got["out"], got["dx"], got["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE, got
-  got = check.grouped_case(c, "fp8")
-  assert got["ok"], got
+  if promote is None:
+    got = check.grouped_case(c, "fp8")
+    assert got["ok"], got
 
 
-def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
+@pytest.mark.parametrize("promote", [None, True])
+def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
   """The same case fails with a kernel that stops one K step short (the interpreter runs what
   the kernel says, not what it should)."""
   check = gpu_check()
@@ -205,14 +210,32 @@ def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
     return real(a[:, :-block_k], b[..., :-block_k], table, block_k=block_k, **kw)
 
   monkeypatch.setattr(kernels, "ragged_rows", short)
-  got = check.kernel_case(c)
+  got = check.kernel_case(c, promote)
   assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
+
+
+def test_long_contractions_promote_the_row_kernels_sums():
+  """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted, on 64-wide tiles
+  (the promoted sum's registers); below it, not, on 128-wide ones."""
+  from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K, fp8_ragged_dot
+  seen = []
+
+  def rows(a, b, table, **kw):
+    seen.append((a.shape[1], kw["block_n"], kw.get("promote", False)))
+    return fake_rows(a, b, table, **kw)
+
+  sizes = jnp.asarray([3, 5])
+  for k in (PROMOTE_FROM_K - 128, PROMOTE_FROM_K):
+    x = jnp.ones((8, k), jnp.float8_e4m3fn)
+    y = fp8_ragged_dot(x, jnp.ones((2, 256, k), jnp.float8_e4m3fn), sizes, rows)
+    np.testing.assert_array_equal(y, k)
+  assert seen == [(PROMOTE_FROM_K - 128, 128, False), (PROMOTE_FROM_K, 64, True)]
 
 
 @pytest.mark.parametrize("f8", F8)
 def test_the_kernels_lower_for_hopper(f8):
-  """Both kernels through Mosaic GPU's lowering for CUDA on this CPU host: a Mosaic custom call
-  in the lowered program, for either float8 format, at a Qwen3-like width."""
+  """Both kernels, and the row kernel with promoted sums, through Mosaic GPU's lowering for CUDA
+  on this CPU host: a Mosaic custom call in the lowered program, for either float8 format."""
   import functools
   blocks = dict(block_m=128, block_n=128, block_k=128, steps=4, grid_block_n=2,
                 interpret=False)
@@ -223,7 +246,11 @@ def test_the_kernels_lower_for_hopper(f8):
   contract = jax.jit(functools.partial(kernels.aligned_contract, **blocks)).trace(
       shape((256, 1536), f8), shape((512, 1536), f8),
       shape((2, 4), jnp.int32)).lower(lowering_platforms=("cuda",))
-  for lowered in (rows, contract):
+  promoted = jax.jit(functools.partial(kernels.ragged_rows, **{**blocks, "block_n": 64},
+                                       promote=True)).trace(
+      shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn),
+      shape((4, 11), jnp.int32)).lower(lowering_platforms=("cuda",))
+  for lowered in (rows, contract, promoted):
     assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 

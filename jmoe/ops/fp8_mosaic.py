@@ -39,12 +39,20 @@ from jmoe.ops.rows import row_groups
 FP8_BLOCK_K = 128  # 128 one-byte values: one 128-byte swizzled row of shared memory
 
 
-def fp8_tiles(n: int) -> Tiles:
+# Contractions from this long on run the forward kernel with its sums promoted to float32 every
+# K step (`ragged_rows(promote=True)`): on the H200 the forward of Mixtral's down projection
+# (K = 14,336) was 3.32e-3 off the float32 sums of its operands where K = 2,048 gave 1.87e-3
+# (one bf16 rounding alone: 1.66e-3), the error of an accumulator with fewer bits than float32.
+PROMOTE_FROM_K = 8192
+
+
+def fp8_tiles(n: int, promote: bool = False) -> Tiles:
   """Tiles for an FP8 kernel whose output is `n` wide (padded to a multiple of 64): 128 x 128
-  blocks (128 x 64 when n is no multiple of 128) over 128-deep K steps, 4 in flight (4 x 32 KiB
-  of operand tiles, the bf16 output tile reuses them), and the widest band of 4, 2 or 1 tiles
-  that divides the output's tiles. Not yet tuned on the GPU."""
-  block_n = 128 if n % 128 == 0 else 64
+  blocks (128 x 64 when n is no multiple of 128, or when the sums are promoted: their second
+  float32 tile needs the registers) over 128-deep K steps, 4 in flight (4 x 32 KiB of operand
+  tiles, the bf16 output tile reuses them), and the widest band of 4, 2 or 1 tiles that divides
+  the output's tiles. Not yet tuned on the GPU."""
+  block_n = 128 if n % 128 == 0 and not promote else 64
   grid_n = round_up(n, 64) // block_n
   band = next(b for b in (4, 2, 1) if grid_n % b == 0)
   return Tiles(block_m=128, block_n=block_n, block_k=FP8_BLOCK_K, steps=4, grid_block_n=band)
@@ -101,14 +109,18 @@ def aligned_transpose(x_XD: jax.Array, source_P: jax.Array) -> jax.Array:
 
 
 def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
-                   kernel=None, out_dtype=jnp.bfloat16) -> jax.Array:
+                   kernel=None, out_dtype=jnp.bfloat16, promote: bool | None = None
+                   ) -> jax.Array:
   """[X, N] = x . w[e]^T for each expert's rows (float8 operands, both K-major); rows past the
-  groups unwritten. K and N are padded with zeros to the tiles (exact), rows to a multiple of 8."""
+  groups unwritten. K and N are padded with zeros to the tiles (exact), rows to a multiple of 8.
+  `promote` (None: for contractions of PROMOTE_FROM_K or more): the kernel's sums promoted to
+  float32 every K step."""
   from jmoe.ops.fp8_mosaic_kernels import ragged_rows
   kernel = kernel or ragged_rows
   rows, k = x_XK.shape
   n = w_ENK.shape[1]
-  tiles = fp8_tiles(n)
+  promote = k >= PROMOTE_FROM_K if promote is None else promote
+  tiles = fp8_tiles(n, promote)
   k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
   x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, round_up(rows, ROW_MULTIPLE))
   w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
@@ -116,6 +128,8 @@ def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
   call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
                            block_k=tiles.block_k, steps=tiles.steps,
                            grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
+  if promote:
+    call = functools.partial(call, promote=True)
   y = one_call_per_batch(lambda x, w, table: call(x, w, table))(x_XK, w_ENK, table_4T)
   return y[:rows, :n]
 

@@ -23,6 +23,8 @@ operands, expert by expert.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -44,10 +46,18 @@ def _interpret_params(interpret: bool | None):
 
 def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block_m: int,
                 block_n: int, block_k: int, steps: int, grid_block_n: int,
-                out_dtype=jnp.bfloat16, interpret: bool | None = None) -> jax.Array:
+                out_dtype=jnp.bfloat16, promote: bool = False,
+                interpret: bool | None = None) -> jax.Array:
   """[M, N]: for each row tile t (table_4T[:, t] = expert, row block, first row within the
   block, row count; count 0: nothing to do), the rows [block * block_m + first, + count) of
-  a . b[expert]^T. Rows no tile covers are left unwritten (the caller zeroes them)."""
+  a . b[expert]^T. Rows no tile covers are left unwritten (the caller zeroes them).
+
+  `promote`: each K step's products are summed by the tensor cores into an accumulator of
+  their own, which is then added to the tile's float32 sum in registers, as DeepSeek-V3's
+  kernels do: Hopper's FP8 wgmma adds into its accumulator with fewer bits than float32, an
+  error that grows with the contraction (long ones: Mixtral's 14,336 and 28,672). Costs a wait
+  for the tensor cores and an add per step, and twice the accumulator's registers (block_m x
+  block_n / 64 per thread of the warpgroup: 128 x 64 tiles keep it at 128)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -67,18 +77,32 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
 
       @pl.when(count > 0)
       def _work():
+        # A step's operand tiles stay claimed one step longer while its wgmma may still
+        # read them; a promoted step has waited for its wgmma already.
+        in_specs = [plgpu.BlockSpec((block_m, block_k), lambda ki: (block, ki),
+                                    delay_release=int(not promote)),
+                    plgpu.BlockSpec((block_n, block_k), lambda ki: (ni, ki),
+                                    delay_release=int(not promote))]
+        pipeline = functools.partial(plgpu.emit_pipeline, grid=(k // block_k,),
+                                     in_specs=in_specs, max_concurrent_steps=steps)
+
         def accumulate(acc_ref):
           step = lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
-          plgpu.emit_pipeline(
-              step, grid=(k // block_k,),
-              in_specs=[plgpu.BlockSpec((block_m, block_k), lambda ki: (block, ki),
-                                        delay_release=1),
-                        plgpu.BlockSpec((block_n, block_k), lambda ki: (ni, ki),
-                                        delay_release=1)],
-              max_concurrent_steps=steps)(a_ref, b_ref.at[expert])
+          pipeline(step)(a_ref, b_ref.at[expert])
           return acc_ref[...]
 
-        acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
+        def promoted_step(_, a_smem, b_smem, sum_):
+          def products(acc_ref):
+            plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
+            return acc_ref[...]  # waits for the tensor cores
+          return sum_ + pl.run_scoped(products, plgpu.ACC((block_m, block_n)))
+
+        if promote:
+          zeros = plgpu.layout_cast(jnp.zeros((block_m, block_n), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+          acc = pipeline(promoted_step, init_carry=zeros)(a_ref, b_ref.at[expert])
+        else:
+          acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
 
         def store(out_smem):
           out_smem[...] = acc.astype(out_smem.dtype)
