@@ -16,16 +16,19 @@ way, tests/test_fp8_mosaic.py) and float32 summation order (~1e-6). The case pas
 FP8_TOLERANCE = 3e-3; a scale off by 2x on one expert's rows costs that expert 100% and the whole
 output about 1/sqrt(E) of that (9% at 128 experts), rows taken from the wrong expert about 140%
 (each case reports what doubling the busiest expert's scale would give, and fails if the
-tolerance would not catch that by 10x). An expert with
-no rows must get an exactly zero weight gradient (the kernel writes zeros).
+tolerance would not catch that by 10x). An expert with no rows must get an exactly zero weight
+gradient (the kernel writes zeros).
 End-to-end cases (fp8_grouped/SHAPE/ROUTING, the weight gradient in bf16, and
 fp8_grouped_wfp8/..., in FP8): moe.gemm=mosaic with precision.gemm=fp8
-(`grouped_gemm("mosaic", "e5m2", weight_gradient=...)`) against float32 on the unquantized bf16 inputs, within FP8's
-own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past the groups exactly
-zero in y and dx: the wiring, the scales and the zeroing.
+(`grouped_gemm("mosaic", "e5m2", weight_gradient=...)`) against float32 on the unquantized bf16
+inputs, within FP8's own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past
+the groups exactly zero in y and dx: the wiring, the scales and the zeroing.
 Kernel cases with every row-kernel call's sums promoted to float32 each K step
 (fp8_kernels_promoted/SHAPE/ROUTING; `ragged_rows(promote=True)`, which jmoe runs for
-contractions of PROMOTE_FROM_K or more): the same tolerance.
+contractions of PROMOTE_FROM_K or more): the same tolerance. Blockwise cases
+(fp8_blockwise/SHAPE/ROUTING): the row kernel with DeepSeek-V3's tile scales applied per K step,
+forward and input gradient, on inputs whose tiles differ in magnitude (2^-4 to 2^4), against the
+float32 reference of the dequantized tiles, with the same tolerance.
 `--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the shapes asked (`odd`
 left out); the forward and input gradient also promoted and unpromoted.
 """
@@ -120,6 +123,49 @@ def kernel_case(c: dict, promote: bool | None = None) -> dict:
   return result
 
 
+def tile_magnitudes(a: jax.Array, axes: tuple[int, ...], seed: int) -> jax.Array:
+  """`a` times a power of two from 2^-4 to 2^4 drawn per 128-tile on `axes` (1 on the others),
+  so that tiles differ in scale and a scale read from the wrong tile shows."""
+  shape = [-(-n // 128) if i in axes else 1 for i, n in enumerate(a.shape)]
+  factor = 2.0 ** np.random.default_rng(seed).integers(-4, 5, shape)
+  for i in axes:
+    factor = np.repeat(factor, 128, axis=i)
+  return (a.astype(jnp.float32) * factor[tuple(slice(0, n) for n in a.shape)]).astype(a.dtype)
+
+
+def blockwise_case(c: dict) -> dict:
+  """The row kernel with blockwise scales (precision.fp8_recipe=blockwise: x and dy in 1 x 128
+  tiles, w in 128 x 128), forward and input gradient, against the float32 reference of the
+  dequantized tiles, expert by expert. The inputs' tiles are given magnitudes 2^-4 to 2^4
+  apart, so that a scale taken from the wrong tile shows; and the case reports what the busiest
+  expert's tile scales doubled would give (and fails if the tolerance would not catch it by 10x)."""
+  from jmoe.ops.fp8 import E5M2
+  from jmoe.ops.fp8_blockwise import dequantize_blocks, quantize_blocks
+  from jmoe.ops.fp8_mosaic import fp8_blockwise_ragged_dot
+  sizes = c["sizes"]
+  groups = jnp.asarray(sizes)
+  used = int(sizes.sum())
+  x_q, s_x = quantize_blocks(tile_magnitudes(c["x"], (1,), 1), (1,))
+  w_q, s_w = quantize_blocks(tile_magnitudes(c["w"], (1, 2), 2), (1, 2))
+  dy_q, s_dy = quantize_blocks(tile_magnitudes(c["dy"], (1,), 3), (1,), E5M2)
+  dot = jax.jit(lambda a, sa, b, sb: fp8_blockwise_ragged_dot(a, sa, b, sb, groups))
+  y = host(dot(x_q, s_x, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(s_w, 1, 2)))[:used]
+  dx = host(dot(dy_q, s_dy, w_q, s_w))[:used]
+  x, w, dy = (host(dequantize_blocks(q, s, axes)) for q, s, axes in
+              ((x_q, s_x, (1,)), (w_q, s_w, (1, 2)), (dy_q, s_dy, (1,))))
+  y_ref, dx_ref = np.zeros_like(y), np.zeros_like(dx)
+  for e, rows in enumerate(expert_rows(sizes)):
+    y_ref[rows], dx_ref[rows] = x[rows] @ w[e], dy[rows] @ w[e].T
+  doubled = y.copy()
+  doubled[expert_rows(sizes)[int(np.argmax(sizes))]] *= 2
+  result = {"rows": used, "out": relative_error(y, y_ref), "dx": relative_error(dx, dx_ref),
+            "doubled_scale_error": relative_error(doubled, y_ref),
+            "finite": bool(np.all(np.isfinite(y)) and np.all(np.isfinite(dx)))}
+  result["ok"] = bool(max(result["out"], result["dx"]) <= FP8_TOLERANCE and result["finite"]
+                      and result["doubled_scale_error"] > 10 * FP8_TOLERANCE)
+  return result
+
+
 def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
   """moe.gemm=mosaic in FP8, through jmoe's own custom VJP, against float32 on the bf16 inputs;
   the weight gradient in `weight_gradient` (precision.fp8_weight_gradient)."""
@@ -170,11 +216,14 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
         return {"check": check, **transpose_case(c)}
       if kind_of_check.startswith("kernels"):
         return {"check": check, **kernel_case(c, True if "promoted" in kind_of_check else None)}
+      if kind_of_check == "blockwise":
+        return {"check": check, **blockwise_case(c)}
       return {"check": check, **grouped_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}
     return named(run, check)
 
   return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in ("transpose", "kernels", "kernels_promoted", "grouped", "grouped_wfp8")]
+          for which in ("transpose", "kernels", "kernels_promoted", "blockwise", "grouped",
+                        "grouped_wfp8")]
 
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:

@@ -9,7 +9,8 @@ import pytest
 
 from jmoe.config import ConfigError
 from jmoe.ops.fp8 import recipe_from_config
-from jmoe.ops.fp8_blockwise import blockwise_grouped, dequantize_blocks, quantize_blocks
+from jmoe.ops.fp8_blockwise import (BlockwiseKernels, blockwise_grouped, dequantize_blocks,
+                                    quantize_blocks)
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
 from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
 
@@ -95,6 +96,47 @@ def test_blockwise_grouped_gemm_multiplies_the_recipes_values():
   assert np.abs(np.asarray(y) - loop(np.asarray(x), np.asarray(w), sizes)).max() > 1e-2  # FP8
 
 
+def xla_contract(x, y, sizes):
+  """The weight gradient's contraction in float32 (a 16-bit kernel's stand-in); an expert with
+  no rows comes back NaN (unwritten)."""
+  expert_X = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
+  one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
+  out = jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
+  return jnp.where((sizes > 0)[:, None, None], out, jnp.nan)
+
+
+def test_blockwise_kernels_multiply_the_recipes_values():
+  """moe.gemm=mosaic's blockwise path: the forward and input gradient in jmoe's row kernel (run
+  by Pallas' Mosaic-GPU interpreter) on the float8 tiles and their scales, the weight gradient
+  in the 16-bit contraction (a float32 stand-in here) on the dequantized tiles: the same values
+  as the recipe's loop up to the kernel's one bf16 rounding of its output; rows past the groups
+  and an empty expert's gradient zero. Tiles of different magnitudes, two K blocks, a partial
+  one and a partial output tile."""
+  from jmoe.ops.fp8_mosaic import mosaic_blockwise_kernels
+  sizes = np.array([50, 0, 70, 30])  # an empty expert, 10 rows past the groups
+  keys = jax.random.split(jax.random.key(2), 3)
+  x, w, dy = (jax.random.normal(k, s) for k, s in zip(keys, [(160, 200), (4, 200, 150),
+                                                            (160, 150)]))
+  x = x * jnp.repeat(2.0 ** jnp.arange(-2, 3), 32)[:160, None] * jnp.array([1.0] * 128 + [8.0] * 72)
+  w = w * jnp.array([0.25] * 128 + [4.0] * 72)[None, :, None]
+  gemm = blockwise_grouped(GEMM_BACKENDS["ragged_dot"].gemm, "e5m2",
+                           mosaic_blockwise_kernels(contract16=xla_contract))
+  y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
+  dx, dw = vjp(dy)
+  xq, wq = round_trip(x, (1,)), round_trip(w, (1, 2))
+  dyq = round_trip(dy, (1,), E5M2)
+  dyq[150:] = 0  # rows past the groups carry no gradient
+  rel = lambda a, b: np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b)
+  assert rel(y[:150], loop(xq, wq, sizes)[:150]) < 3e-3
+  assert rel(dx[:150], loop(dyq, np.swapaxes(wq, 1, 2), sizes)[:150]) < 3e-3
+  np.testing.assert_array_equal(y[150:], 0)
+  np.testing.assert_array_equal(dx[150:], 0)
+  ends = np.cumsum(sizes)
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    np.testing.assert_allclose(dw[e], xq[start:end].T @ dyq[start:end], rtol=1e-5, atol=1e-4)
+  assert np.abs(np.asarray(y) - loop(np.asarray(x), np.asarray(w), sizes)).max() > 1e-2  # FP8
+
+
 def test_blockwise_recipe_config():
   config = tiny_config(precision=dict(gemm="fp8", fp8_recipe="blockwise"),
                        moe=dict(expert_blocks=0))
@@ -125,3 +167,18 @@ def test_the_weights_blockwise_copies_are_not_held_from_the_forward_pass_to_the_
   every layer: 4 more layers grew the temporaries by 5.1 float8 weight copies that way, by none
   now (bf16 parameters; the 16-bit GEMM stands in opaque, as a GPU kernel reads its operands)."""
   assert weight_copies_grown(blockwise_grouped(opaque(sixteen_bit)), more_layers=4) < 1
+
+
+def test_the_blockwise_kernels_path_holds_no_weight_copies_either():
+  """With blockwise kernels (moe.gemm=mosaic) too, the backward pass quantizes the weights again
+  from their kept tile scales: 4 more layers grow the temporaries by less than one float8
+  weight copy (the kernels stand in opaque: a GPU kernel reads its operands from memory)."""
+  def dot(a, a_scale, b, b_scale, sizes):
+    a, a_scale, b, b_scale = jax.lax.optimization_barrier((a, a_scale, b, b_scale))
+    a = dequantize_blocks(a, a_scale, (1,), jnp.bfloat16)
+    b = dequantize_blocks(b, b_scale, (1, 2), jnp.bfloat16)
+    return sixteen_bit(a, jnp.swapaxes(b, 1, 2), sizes)
+
+  kernels = BlockwiseKernels(dot=dot, contract16=opaque(xla_contract))
+  assert weight_copies_grown(blockwise_grouped(opaque(sixteen_bit), kernels=kernels),
+                             more_layers=4) < 1

@@ -160,6 +160,36 @@ def test_fp8_with_mosaic_runs_the_mosaic_kernels(monkeypatch):
   assert y.dtype == x.dtype and dw.dtype == w.dtype
 
 
+def test_the_blockwise_recipe_with_mosaic_runs_the_blockwise_kernel(monkeypatch):
+  """precision.fp8_recipe=blockwise with moe.gemm=mosaic: the forward and the input gradient
+  call the row kernel with tile scales (interpreted here), the weight gradient the 16-bit
+  contraction."""
+  calls = []
+  real = kernels.ragged_rows
+
+  def rows(a, b, table, scales=None, **kw):
+    calls.append(("rows", a.dtype, scales is not None))
+    return real(a, b, table, scales, **kw)
+
+  def contract16(x, y, sizes):
+    calls.append(("contract16", x.dtype, y.dtype))
+    return fake_contract16(x, y, sizes)
+
+  monkeypatch.setattr(kernels, "ragged_rows", rows)
+  monkeypatch.setattr(mosaic_gemm, "ragged_contract", contract16)
+  backend = grouped_gemm("mosaic", "e5m2", True)
+  x, w, dy = jnp.ones((24, 128), jnp.bfloat16), jnp.ones((3, 128, 64)), jnp.ones((24, 64))
+  y, vjp = jax.vjp(lambda x, w: backend(x, w, jnp.asarray([8, 0, 12])), x, w)
+  dx, dw = vjp(dy.astype(jnp.bfloat16))
+  assert calls == [("rows", jnp.float8_e4m3fn, True), ("rows", jnp.float8_e5m2, True),
+                   ("contract16", jnp.bfloat16, jnp.bfloat16)]
+  np.testing.assert_array_equal(y[:20], 128)
+  np.testing.assert_array_equal(y[20:], 0)
+  np.testing.assert_array_equal(dx[:20], 64)
+  np.testing.assert_array_equal(dw[0], 8)
+  np.testing.assert_array_equal(dw[1], 0)
+
+
 def test_kernels_module_imports_without_a_gpu():
   assert callable(kernels.ragged_rows) and callable(kernels.aligned_contract)
 
@@ -214,6 +244,27 @@ def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, 
   assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
 
 
+def test_the_blockwise_kernel_passes_the_gpu_check_in_the_gpu_interpreter(monkeypatch):
+  """The row kernel with DeepSeek-V3's tile scales, interpreted, through scripts/check_gpu_fp8.py's
+  blockwise case (tiles 2^-4 to 2^4 apart in magnitude; the forward's 5 K blocks, the input
+  gradient's 2, the second partial); the same kernel reading each row's scale from the next K
+  block fails it."""
+  check = gpu_check()
+  monkeypatch.setitem(check.SHAPES, "small", (6, 640, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  got = check.blockwise_case(c)
+  assert got["ok"], got
+  assert max(got["out"], got["dx"]) < 0.7 * check.FP8_TOLERANCE, got
+  real = kernels.ragged_rows
+
+  def next_blocks_scales(a, b, table, scales, **kw):
+    return real(a, b, table, (jnp.roll(scales[0], -1, axis=0), scales[1]), **kw)
+
+  monkeypatch.setattr(kernels, "ragged_rows", next_blocks_scales)
+  got = check.blockwise_case(c)
+  assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
+
+
 def test_long_contractions_promote_the_row_kernels_sums():
   """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted, on 64-wide tiles
   (the promoted sum's registers); below it, not, on 128-wide ones."""
@@ -234,8 +285,9 @@ def test_long_contractions_promote_the_row_kernels_sums():
 
 @pytest.mark.parametrize("f8", F8)
 def test_the_kernels_lower_for_hopper(f8):
-  """Both kernels, and the row kernel with promoted sums, through Mosaic GPU's lowering for CUDA
-  on this CPU host: a Mosaic custom call in the lowered program, for either float8 format."""
+  """Both kernels, and the row kernel with promoted sums and with blockwise scales, through
+  Mosaic GPU's lowering for CUDA on this CPU host (Mosaic's layout inference and lowering run):
+  a Mosaic custom call in the lowered program, for either float8 format."""
   import functools
   blocks = dict(block_m=128, block_n=128, block_k=128, steps=4, grid_block_n=2,
                 interpret=False)
@@ -250,7 +302,11 @@ def test_the_kernels_lower_for_hopper(f8):
                                        promote=True)).trace(
       shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn),
       shape((4, 11), jnp.int32)).lower(lowering_platforms=("cuda",))
-  for lowered in (rows, contract, promoted):
+  blockwise = jax.jit(functools.partial(kernels.ragged_rows, **{**blocks, "block_n": 64})).trace(
+      shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn), shape((4, 11), jnp.int32),
+      (shape((4, 1024), jnp.float32), shape((4, 2, 4), jnp.float32))).lower(
+          lowering_platforms=("cuda",))
+  for lowered in (rows, contract, promoted, blockwise):
     assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 

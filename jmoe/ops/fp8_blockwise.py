@@ -6,24 +6,30 @@ format's largest value, so one outlier costs precision only within its tile.
 
 Because these scales vary along the contracted axis K, they cannot be applied to a GEMM's output:
 a kernel must scale each 128-deep K slice's partial sum before adding it (block_k = 128, a
-multiply of the accumulator per K step). jmoe's FP8 kernels do not do that yet, so
-`blockwise_grouped` computes the recipe's numerics in XLA: it quantizes the operands blockwise,
-dequantizes them to the compute dtype and runs the backend's 16-bit grouped GEMM. The values each
-GEMM multiplies are the recipe's up to one bf16 rounding of each (2^-9 relative: a float8 value
-has 4 significant bits, its tile's scale 24); the speed is bf16's, not FP8's. Differences from
-DeepSeek-V3's recipe: the weight gradient reuses the forward's 1 x 128 quantized activations and
-the input gradient's 1 x 128 quantized output gradient (DeepSeek-V3 requantizes both along the
-rows, 128 x 1, for that GEMM). The dense GEMMs keep per-tensor current scaling under this recipe
-(XLA's FP8 GEMM takes one scale per operand).
+multiply of the accumulator per K step). A backend whose kernels do that (`BlockwiseKernels`:
+moe.gemm=mosaic, jmoe/ops/fp8_mosaic.py) runs the forward and input-gradient GEMMs on the float8
+operands and their scales, and the weight gradient in its 16-bit kernel on the dequantized
+operands. Other backends compute the recipe's numerics in XLA: the operands are quantized
+blockwise, dequantized to the compute dtype and multiplied by the backend's 16-bit grouped GEMM
+(the values each GEMM multiplies are the recipe's up to one bf16 rounding of each, 2^-9
+relative: a float8 value has 4 significant bits, its tile's scale 24; the speed is bf16's, not
+FP8's). Differences from DeepSeek-V3's recipe, either way: the weight gradient reuses the
+forward's 1 x 128 quantized activations and the input gradient's 1 x 128 quantized output
+gradient (DeepSeek-V3 requantizes both along the rows, 128 x 1, for that GEMM) and multiplies
+them in 16 bits. The dense GEMMs keep per-tensor current scaling under this recipe (XLA's FP8
+GEMM takes one scale per operand).
 """
-
 from __future__ import annotations
+
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
-from jmoe.ops.fp8_grouped import _varying_like
+from jmoe.ops.fp8_grouped import RaggedDot, _varying_like
+from jmoe.ops.rows import row_groups
 
 BLOCK = 128
 
@@ -76,10 +82,22 @@ def blockwise_round_trip(x: jax.Array, axes: tuple[int, ...], dtype=E4M3) -> jax
   return dequantize_blocks(*quantize_blocks(x, axes, dtype), axes, x.dtype)
 
 
-def blockwise_grouped(gemm, grad_format: str = "e5m2"):
+@dataclasses.dataclass(frozen=True)
+class BlockwiseKernels:
+  """A backend's kernels for blockwise-scaled operands. `dot(a_q [X, K], a_scale [X, K/128],
+  b_q [E, N, K], b_scale [E, N/128, K/128], group_sizes_E)` -> [X, N] in bf16: each expert's
+  rows times its b (both K-major), every 128-deep K slice's products scaled by its row's and
+  its tile's scales; rows past the groups may be left unwritten. `contract16`: the backend's
+  16-bit weight-gradient contraction (x_XD, y_XF, group_sizes_E) -> [E, D, F]."""
+  dot: Callable[..., jax.Array]
+  contract16: RaggedDot
+
+
+def blockwise_grouped(gemm, grad_format: str = "e5m2", kernels: BlockwiseKernels | None = None):
   """The grouped GEMM `gemm` (x_XD, w_EDF, group_sizes_E) -> y_XF on blockwise-quantized
   operands: x in 1 x 128 tiles along D, w in 128 x 128 tiles of each expert's [D, F], the output
-  gradient in 1 x 128 tiles along F (in `grad_format`). Zeros past the groups, as `gemm`."""
+  gradient in 1 x 128 tiles along F (in `grad_format`). Zeros past the groups, as `gemm`. With
+  `kernels`, the forward and input gradient run on the float8 operands in those kernels."""
   grad_dtype = FORMATS[grad_format]
 
   @jax.custom_vjp
@@ -89,8 +107,13 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2"):
   def _fwd(x_XD, w_EDF, group_sizes_E):
     x_q, x_scale = quantize_blocks(x_XD, (1,))
     w_q, w_scale = quantize_blocks(w_EDF, (1, 2))
-    y = gemm(dequantize_blocks(x_q, x_scale, (1,), x_XD.dtype),
-             dequantize_blocks(w_q, w_scale, (1, 2), x_XD.dtype), group_sizes_E)
+    if kernels is None:
+      y = gemm(dequantize_blocks(x_q, x_scale, (1,), x_XD.dtype),
+               dequantize_blocks(w_q, w_scale, (1, 2), x_XD.dtype), group_sizes_E)
+    else:
+      y = _in_groups(kernels.dot(x_q, x_scale, jnp.swapaxes(w_q, 1, 2),
+                                 jnp.swapaxes(w_scale, 1, 2), group_sizes_E),
+                     group_sizes_E).astype(x_XD.dtype)
     # The weights' tile scales are kept, not their float8 copy (one more weight-sized buffer
     # per layer): the backward pass quantizes the weights again with them.
     return y, (x_q, x_scale, w_EDF, w_scale, group_sizes_E)
@@ -104,13 +127,26 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2"):
     (x_scale, w_scale), dy_XF = jax.lax.optimization_barrier(((x_scale, w_scale), dy_XF))
     dtype = dy_XF.dtype
     x_XD = dequantize_blocks(x_q, x_scale, (1,), dtype)
-    w_deq = dequantize_blocks(quantize_blocks(w_EDF, (1, 2), scale=w_scale)[0], w_scale, (1, 2),
-                              dtype)
-    dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
-    _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_deq)
-    dx_XD, dw_EDF = vjp(dy_XF)
-    return dx_XD, dw_EDF.astype(w_EDF.dtype), None
+    w_q = quantize_blocks(w_EDF, (1, 2), scale=w_scale)[0]
+    if kernels is None:
+      w_deq = dequantize_blocks(w_q, w_scale, (1, 2), dtype)
+      dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
+      _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_deq)
+      dx_XD, dw_EDF = vjp(dy_XF)
+      return dx_XD, dw_EDF.astype(w_EDF.dtype), None
+    dy_q, dy_scale = quantize_blocks(_in_groups(dy_XF, group_sizes_E), (1,), grad_dtype)
+    dx_XD = _in_groups(kernels.dot(dy_q, dy_scale, w_q, w_scale, group_sizes_E), group_sizes_E)
+    dw_EDF = kernels.contract16(x_XD, dequantize_blocks(dy_q, dy_scale, (1,), dtype),
+                                group_sizes_E)
+    dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
+    return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None
 
   grouped.defvjp(_fwd, _bwd)
   return lambda x_XD, w_EDF, group_sizes_E: grouped(x_XD, _varying_like(w_EDF, x_XD),
                                                     group_sizes_E)
+
+
+def _in_groups(y_XN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
+  """y with the rows past the groups set to zero (a kernel may leave them unwritten)."""
+  in_groups_X1 = (row_groups(group_sizes_E, y_XN.shape[0]) < group_sizes_E.shape[0])[:, None]
+  return jnp.where(in_groups_X1, y_XN, jnp.zeros((), y_XN.dtype))

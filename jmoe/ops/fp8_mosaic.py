@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jmoe.ops.fp8_blockwise import BlockwiseKernels
 from jmoe.ops.fp8_grouped import RaggedKernels
 from jmoe.ops.fp8_transpose import transpose_rows
 from jmoe.ops import mosaic_gemm
@@ -134,6 +135,33 @@ def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
   return y[:rows, :n]
 
 
+def fp8_blockwise_ragged_dot(x_XK: jax.Array, x_scale_XB: jax.Array, w_ENK: jax.Array,
+                             w_scale_ECB: jax.Array, group_sizes_E: jax.Array, kernel=None,
+                             out_dtype=jnp.bfloat16) -> jax.Array:
+  """[X, N] = sum over K blocks b of (x[:, b] . w[e][:, b]^T) x_scale[:, b] w_scale[e, c, b]
+  for each expert's rows, c the output column's 128-block: DeepSeek-V3's blockwise scaling
+  (x_scale one per 1 x 128 piece of a row, B = ceil(K / 128); w_scale one per 128 x 128 tile,
+  C = ceil(N / 128)), the scales applied in the kernel per K step; rows past the groups
+  unwritten. K is padded with zeros to whole blocks (exact), rows to whole row tiles."""
+  from jmoe.ops.fp8_mosaic_kernels import ragged_rows
+  kernel = kernel or ragged_rows
+  rows, k = x_XK.shape
+  n = w_ENK.shape[1]
+  tiles = fp8_tiles(n, promote=True)
+  k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
+  rows_pad = round_up(rows, tiles.block_m)  # the row scales are read a whole row tile at once
+  x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, rows_pad)
+  w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
+  x_scale_BX = pad_axis(x_scale_XB.astype(jnp.float32), 0, rows_pad).T
+  table_4T = row_tiles(group_sizes_E, rows_pad, tiles.block_m)
+  call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
+                           block_k=tiles.block_k, steps=tiles.steps,
+                           grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
+  y = one_call_per_batch(lambda x, w, table, sx, sw: call(x, w, table, (sx, sw)))(
+      x_XK, w_ENK, table_4T, x_scale_BX, w_scale_ECB.astype(jnp.float32))
+  return y[:rows, :n]
+
+
 def fp8_aligned_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Array,
                          kernel=None, out_dtype=jnp.bfloat16) -> jax.Array:
   """[E, D, F] = sum over each expert's rows of x^T y (float8 operands); zeros for an expert
@@ -162,6 +190,16 @@ def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None
       dot=lambda x, w_EKN, sizes: fp8_ragged_dot(x, jnp.swapaxes(w_EKN, 1, 2), sizes,
                                                  rows_kernel),
       contract=lambda x, y, sizes: fp8_aligned_contract(x, y, sizes, contract_kernel),
+      contract16=contract16 or _contract16)
+
+
+def mosaic_blockwise_kernels(rows_kernel=None, contract16=None) -> BlockwiseKernels:
+  """The Mosaic backend's kernels for the blockwise recipe: the row kernel with its scales
+  applied per K step (`fp8_blockwise_ragged_dot`), the 16-bit contraction for the weight
+  gradient."""
+  return BlockwiseKernels(
+      dot=lambda a, a_scale, b, b_scale, sizes: fp8_blockwise_ragged_dot(
+          a, a_scale, b, b_scale, sizes, rows_kernel),
       contract16=contract16 or _contract16)
 
 

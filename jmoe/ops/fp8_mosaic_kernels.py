@@ -44,7 +44,8 @@ def _interpret_params(interpret: bool | None):
   return plgpu.InterpretGPUParams() if interpret else None
 
 
-def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block_m: int,
+def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
+                scales: tuple[jax.Array, jax.Array] | None = None, *, block_m: int,
                 block_n: int, block_k: int, steps: int, grid_block_n: int,
                 out_dtype=jnp.bfloat16, promote: bool = False,
                 interpret: bool | None = None) -> jax.Array:
@@ -57,7 +58,13 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
   kernels do: Hopper's FP8 wgmma adds into its accumulator with fewer bits than float32, an
   error that grows with the contraction (long ones: Mixtral's 14,336 and 28,672). Costs a wait
   for the tensor cores and an add per step, and twice the accumulator's registers (block_m x
-  block_n / 64 per thread of the warpgroup: 128 x 64 tiles keep it at 128)."""
+  block_n / 64 per thread of the warpgroup: 128 x 64 tiles keep it at 128).
+
+  `scales` = (a_scale_KM [K / block_k, M], b_scale_ENK [E, N / 128, K / block_k]), float32:
+  blockwise scaling, one scale per block_k-long piece of each row of a and per 128 x block_k
+  tile of each expert's b (block_k = 128: DeepSeek-V3's 1 x 128 and 128 x 128 tiles). Each K
+  step's products are multiplied by their row's and their weight tile's scales before they are
+  added to the float32 sum (promoted, as above); M a multiple of block_m."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -65,11 +72,18 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
   _, n, k2 = b_ENK.shape
   assert k == k2 and k % block_k == 0 and n % block_n == 0, (a_MK.shape, b_ENK.shape)
   num_tiles, grid_n = table_4T.shape[1], n // block_n
+  if scales is not None:
+    assert scales[0].shape == (k // block_k, m) and m % block_m == 0, (scales[0].shape, m)
+    assert scales[1].shape == (b_ENK.shape[0], -(-n // 128), k // block_k), scales[1].shape
+    assert block_n <= 128 and 128 % block_n == 0, block_n
+    promote = True
   # Stores move 2^i rows each, the set bits of the tile's row count (a TMA copy's shape is
   # static): log2(block_m) + 1 copies cover any count from 1 to block_m.
   widths = [1 << i for i in reversed(range(max(1, min(block_m, m)).bit_length()))]
 
-  def body(table_ref, a_ref, b_ref, out_ref):
+  def body(table_ref, a_ref, b_ref, *rest):
+    *scale_refs, out_ref = rest
+
     @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
     def _tile(info):
       t, ni = plgpu.planar_snake(info.index[0], (num_tiles, grid_n), 1, grid_block_n)
@@ -78,29 +92,42 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
       @pl.when(count > 0)
       def _work():
         # A step's operand tiles stay claimed one step longer while its wgmma may still
-        # read them; a promoted step has waited for its wgmma already.
+        # read them; a promoted step has waited for its wgmma already. Blockwise: the row
+        # scales of the step's K block come through the pipeline too (a register layout is
+        # loaded from shared memory only).
         in_specs = [plgpu.BlockSpec((block_m, block_k), lambda ki: (block, ki),
                                     delay_release=int(not promote)),
                     plgpu.BlockSpec((block_n, block_k), lambda ki: (ni, ki),
                                     delay_release=int(not promote))]
+        operands = (a_ref, b_ref.at[expert])
+        if scale_refs:
+          in_specs.append(plgpu.BlockSpec((1, block_m), lambda ki: (ki, block)))
+          operands += (scale_refs[0],)
         pipeline = functools.partial(plgpu.emit_pipeline, grid=(k // block_k,),
                                      in_specs=in_specs, max_concurrent_steps=steps)
 
         def accumulate(acc_ref):
           step = lambda _, a_smem, b_smem: plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
-          pipeline(step)(a_ref, b_ref.at[expert])
+          pipeline(step)(*operands)
           return acc_ref[...]
 
-        def promoted_step(_, a_smem, b_smem, sum_):
+        def promoted_step(index, a_smem, b_smem, *rest):
+          *row_scale_smem, sum_ = rest
+
           def products(acc_ref):
             plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
             return acc_ref[...]  # waits for the tensor cores
-          return sum_ + pl.run_scoped(products, plgpu.ACC((block_m, block_n)))
+          part = pl.run_scoped(products, plgpu.ACC((block_m, block_n)))
+          if row_scale_smem:
+            row_scale = plgpu.load(row_scale_smem[0].at[0], layout=plgpu.Layout.WGMMA.reduce(1))
+            tile_scale = scale_refs[1][expert, ni * block_n // 128, index[0]]
+            part = part * jax.lax.broadcast_in_dim(row_scale * tile_scale, part.shape, [0])
+          return sum_ + part
 
         if promote:
           zeros = plgpu.layout_cast(jnp.zeros((block_m, block_n), jnp.float32),
                                     plgpu.Layout.WGMMA)
-          acc = pipeline(promoted_step, init_carry=zeros)(a_ref, b_ref.at[expert])
+          acc = pipeline(promoted_step, init_carry=zeros)(*operands)
         else:
           acc = pl.run_scoped(accumulate, plgpu.ACC((block_m, block_n)))
 
@@ -127,7 +154,7 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array, *, block
       body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid=(_num_sms(),),
       grid_names=("sm",), interpret=_interpret_params(interpret),
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return call(table_4T, a_MK, b_ENK)
+  return call(table_4T, a_MK, b_ENK, *(scales or ()))
 
 
 def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, block_m: int,

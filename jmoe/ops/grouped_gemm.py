@@ -12,7 +12,8 @@ expert with no rows gets a zero weight gradient. The registry `GEMM_BACKENDS` is
 backend to a float32 reference on the GPU, expert by expert (tokamax 0.0.17's kernel, measured
 there with a weight gradient 4% off, is not among them). With FP8 expert GEMMs a backend runs its
 float8 kernels (`GroupedGemm.fp8`) through `jmoe.ops.fp8_grouped.grouped_fp8`; mosaic's are
-jmoe's own (jmoe/ops/fp8_mosaic.py: float8 operands, float32 accumulation, a bf16 output).
+jmoe's own (jmoe/ops/fp8_mosaic.py: float8 operands, float32 accumulation, a bf16 output), and
+so are its kernels for the blockwise recipe (`GroupedGemm.fp8_blockwise`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
-from jmoe.ops.fp8_blockwise import blockwise_grouped
+from jmoe.ops.fp8_blockwise import BlockwiseKernels, blockwise_grouped
 from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
-from jmoe.ops.fp8_mosaic import mosaic_fp8_kernels
+from jmoe.ops.fp8_mosaic import mosaic_blockwise_kernels, mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
 
@@ -40,6 +41,9 @@ class GroupedGemm:
   """A grouped GEMM (x_XD, w_EDF, group_sizes_E) -> y_XF and what jmoe needs to know of it."""
   gemm: Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
   fp8: RaggedKernels | None = None  # its float8 kernels, if it has any
+  # its kernels for blockwise-scaled float8 operands, if it has any (else the blockwise recipe
+  # runs its 16-bit GEMM on the dequantized operands)
+  fp8_blockwise: BlockwiseKernels | None = None
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
@@ -88,8 +92,8 @@ def _dense_contract_f8(x_XD, y_XF, group_sizes_E):
 
 GEMM_BACKENDS: dict[str, GroupedGemm] = {
     # Their custom VJPs drop shard_map's varying types.
-    "mosaic": GroupedGemm(mosaic_grouped_gemm, mosaic_fp8_kernels(), keeps_varying_axes=False,
-                          portable=False),
+    "mosaic": GroupedGemm(mosaic_grouped_gemm, mosaic_fp8_kernels(), mosaic_blockwise_kernels(),
+                          keeps_varying_axes=False, portable=False),
     "ragged_dot": GroupedGemm(_ragged_dot, RaggedKernels(_ragged_dot_f8, _ragged_contract_f8)),
     "dense": GroupedGemm(_dense, RaggedKernels(_dense_f8, _dense_contract_f8)),
 }
@@ -118,15 +122,16 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
   is given and the backend has float8 kernels, the weight gradient in `weight_gradient` (bf16
   where the backend has a 16-bit contraction for it, else float8); with `blockwise`, on
-  DeepSeek-V3's blockwise scaled operands through its 16-bit kernels
-  (jmoe/ops/fp8_blockwise.py)."""
+  DeepSeek-V3's blockwise scaled operands, through its blockwise float8 kernels where it has
+  them, else its 16-bit ones (jmoe/ops/fp8_blockwise.py)."""
   check_backend(name)
   name = auto_gemm() if name == "auto" else name
   backend = GEMM_BACKENDS[name]
   if fp8_grad_format is None:
     return backend
   if blockwise:
-    return dataclasses.replace(backend, gemm=blockwise_grouped(backend.gemm, fp8_grad_format))
+    return dataclasses.replace(backend, gemm=blockwise_grouped(backend.gemm, fp8_grad_format,
+                                                               backend.fp8_blockwise))
   if backend.fp8 is None:
     log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
                 "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
