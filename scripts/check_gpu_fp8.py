@@ -30,7 +30,7 @@ contractions of PROMOTE_FROM_K or more): the same tolerance. Blockwise cases
 forward and input gradient, on inputs whose tiles differ in magnitude (2^-4 to 2^4), against the
 float32 reference of the dequantized tiles, with the same tolerance.
 `--bench`: TFLOP/s of the FP8 kernels beside the bf16 Mosaic kernels on the shapes asked (`odd`
-left out); the forward and input gradient also promoted and unpromoted.
+left out); the forward and input gradient also promoted and unpromoted, and blockwise.
 """
 
 from __future__ import annotations
@@ -228,8 +228,9 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
   """TFLOP/s of each FP8 kernel and of the bf16 Mosaic kernel on the same GEMM, balanced routing;
-  the row kernels also with their sums promoted to float32 every K step and without."""
-  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
+  the row kernels also with their sums promoted to float32 every K step and without, and with
+  blockwise scales."""
+  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_blockwise_ragged_dot, fp8_ragged_dot
   from jmoe.ops.mosaic_gemm import ragged, ragged_contract
   from tune_gemm import median_seconds
   seconds = lambda fn, *args: median_seconds(fn, *args, reps=reps)
@@ -252,11 +253,17 @@ def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
       line = {"bench": f"fp8/{shape}/{name}", "rows": rows, "fp8_tflops": flops / t8 / 1e12,
               "bf16_tflops": flops / t16 / 1e12, "speedup": t16 / t8}
       if name != "drhs":
+        x, w = fp8_args
         for promote in (True, False):
-          x, w = fp8_args
           t = seconds(jax.jit(functools.partial(fp8_ragged_dot, group_sizes_E=groups,
                                                 promote=promote)), x, w)
           line[f"fp8_{'' if promote else 'un'}promoted_tflops"] = flops / t / 1e12
+        # blockwise scales: one per 128 of each row's K, one per 128 x 128 tile of w
+        x_scale = jnp.ones((x.shape[0], -(-x.shape[1] // 128)), jnp.float32)
+        w_scale = jnp.ones((experts, -(-w.shape[1] // 128), -(-w.shape[2] // 128)), jnp.float32)
+        t = seconds(jax.jit(functools.partial(fp8_blockwise_ragged_dot, group_sizes_E=groups)),
+                    x, x_scale, w, w_scale)
+        line["fp8_blockwise_tflops"] = flops / t / 1e12
       out.append(line)
   return out
 
