@@ -266,8 +266,7 @@ def test_the_blockwise_kernel_passes_the_gpu_check_in_the_gpu_interpreter(monkey
 
 
 def test_long_contractions_promote_the_row_kernels_sums():
-  """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted, on 64-wide tiles
-  (the promoted sum's registers); below it, not, on 128-wide ones."""
+  """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted; below it, not."""
   from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K, fp8_ragged_dot
   seen = []
 
@@ -280,7 +279,7 @@ def test_long_contractions_promote_the_row_kernels_sums():
     x = jnp.ones((8, k), jnp.float8_e4m3fn)
     y = fp8_ragged_dot(x, jnp.ones((2, 256, k), jnp.float8_e4m3fn), sizes, rows)
     np.testing.assert_array_equal(y, k)
-  assert seen == [(PROMOTE_FROM_K - 128, 128, False), (PROMOTE_FROM_K, 64, True)]
+  assert seen == [(PROMOTE_FROM_K - 128, 128, False), (PROMOTE_FROM_K, 128, True)]
 
 
 @pytest.mark.parametrize("f8", F8)
@@ -298,11 +297,10 @@ def test_the_kernels_lower_for_hopper(f8):
   contract = jax.jit(functools.partial(kernels.aligned_contract, **blocks)).trace(
       shape((256, 1536), f8), shape((512, 1536), f8),
       shape((2, 4), jnp.int32)).lower(lowering_platforms=("cuda",))
-  promoted = jax.jit(functools.partial(kernels.ragged_rows, **{**blocks, "block_n": 64},
-                                       promote=True)).trace(
+  promoted = jax.jit(functools.partial(kernels.ragged_rows, **blocks, promote=True)).trace(
       shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn),
       shape((4, 11), jnp.int32)).lower(lowering_platforms=("cuda",))
-  blockwise = jax.jit(functools.partial(kernels.ragged_rows, **{**blocks, "block_n": 64})).trace(
+  blockwise = jax.jit(functools.partial(kernels.ragged_rows, **blocks)).trace(
       shape((1024, 512), f8), shape((4, 256, 512), jnp.float8_e4m3fn), shape((4, 11), jnp.int32),
       (shape((4, 1024), jnp.float32), shape((4, 2, 4), jnp.float32))).lower(
           lowering_platforms=("cuda",))

@@ -47,13 +47,12 @@ FP8_BLOCK_K = 128  # 128 one-byte values: one 128-byte swizzled row of shared me
 PROMOTE_FROM_K = 8192
 
 
-def fp8_tiles(n: int, promote: bool = False) -> Tiles:
+def fp8_tiles(n: int) -> Tiles:
   """Tiles for an FP8 kernel whose output is `n` wide (padded to a multiple of 64): 128 x 128
-  blocks (128 x 64 when n is no multiple of 128, or when the sums are promoted: their second
-  float32 tile needs the registers) over 128-deep K steps, 4 in flight (4 x 32 KiB of operand
-  tiles, the bf16 output tile reuses them), and the widest band of 4, 2 or 1 tiles that divides
-  the output's tiles. Not yet tuned on the GPU."""
-  block_n = 128 if n % 128 == 0 and not promote else 64
+  blocks (128 x 64 when n is no multiple of 128) over 128-deep K steps, 4 in flight (4 x 32 KiB
+  of operand tiles, the bf16 output tile reuses them), and the widest band of 4, 2 or 1 tiles
+  that divides the output's tiles. Not yet tuned on the GPU."""
+  block_n = 128 if n % 128 == 0 else 64
   grid_n = round_up(n, 64) // block_n
   band = next(b for b in (4, 2, 1) if grid_n % b == 0)
   return Tiles(block_m=128, block_n=block_n, block_k=FP8_BLOCK_K, steps=4, grid_block_n=band)
@@ -121,7 +120,7 @@ def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
   rows, k = x_XK.shape
   n = w_ENK.shape[1]
   promote = k >= PROMOTE_FROM_K if promote is None else promote
-  tiles = fp8_tiles(n, promote)
+  tiles = fp8_tiles(n)
   k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
   x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, round_up(rows, ROW_MULTIPLE))
   w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
@@ -147,7 +146,7 @@ def fp8_blockwise_ragged_dot(x_XK: jax.Array, x_scale_XB: jax.Array, w_ENK: jax.
   kernel = kernel or ragged_rows
   rows, k = x_XK.shape
   n = w_ENK.shape[1]
-  tiles = fp8_tiles(n, promote=True)
+  tiles = fp8_tiles(n)
   k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
   rows_pad = round_up(rows, tiles.block_m)  # the row scales are read a whole row tile at once
   x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, rows_pad)
