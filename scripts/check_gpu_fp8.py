@@ -123,21 +123,22 @@ def kernel_case(c: dict, promote: bool | None = None) -> dict:
   return result
 
 
-def tile_magnitudes(a: jax.Array, axes: tuple[int, ...], seed: int) -> jax.Array:
-  """`a` times a power of two from 2^-4 to 2^4 drawn per 128-tile on `axes` (1 on the others),
-  so that tiles differ in scale and a scale read from the wrong tile shows."""
-  shape = [-(-n // 128) if i in axes else 1 for i, n in enumerate(a.shape)]
+def tile_magnitudes(a: jax.Array, tile: tuple[int, ...], seed: int) -> jax.Array:
+  """`a` times a power of two from 2^-4 to 2^4 drawn per tile of shape `tile` (x and dy: 1 x 128
+  pieces of each row; w: each expert's 128 x 128 tiles), so that tiles, rows and experts differ
+  in scale and a scale read from the wrong one shows."""
+  shape = [-(-n // t) for n, t in zip(a.shape, tile)]
   factor = 2.0 ** np.random.default_rng(seed).integers(-4, 5, shape)
-  for i in axes:
-    factor = np.repeat(factor, 128, axis=i)
+  for axis, t in enumerate(tile):
+    factor = np.repeat(factor, t, axis=axis)
   return (a.astype(jnp.float32) * factor[tuple(slice(0, n) for n in a.shape)]).astype(a.dtype)
 
 
 def blockwise_case(c: dict) -> dict:
   """The row kernel with blockwise scales (precision.fp8_recipe=blockwise: x and dy in 1 x 128
   tiles, w in 128 x 128), forward and input gradient, against the float32 reference of the
-  dequantized tiles, expert by expert. The inputs' tiles are given magnitudes 2^-4 to 2^4
-  apart, so that a scale taken from the wrong tile shows; and the case reports what the busiest
+  dequantized tiles, expert by expert. Every tile of the inputs is given a magnitude from 2^-4
+  to 2^4, so that a scale taken from the wrong tile, row or expert shows; and the case reports what the busiest
   expert's tile scales doubled would give (and fails if the tolerance would not catch it by 10x)."""
   from jmoe.ops.fp8 import E5M2
   from jmoe.ops.fp8_blockwise import dequantize_blocks, quantize_blocks
@@ -145,9 +146,9 @@ def blockwise_case(c: dict) -> dict:
   sizes = c["sizes"]
   groups = jnp.asarray(sizes)
   used = int(sizes.sum())
-  x_q, s_x = quantize_blocks(tile_magnitudes(c["x"], (1,), 1), (1,))
-  w_q, s_w = quantize_blocks(tile_magnitudes(c["w"], (1, 2), 2), (1, 2))
-  dy_q, s_dy = quantize_blocks(tile_magnitudes(c["dy"], (1,), 3), (1,), E5M2)
+  x_q, s_x = quantize_blocks(tile_magnitudes(c["x"], (1, 128), 1), (1,))
+  w_q, s_w = quantize_blocks(tile_magnitudes(c["w"], (1, 128, 128), 2), (1, 2))
+  dy_q, s_dy = quantize_blocks(tile_magnitudes(c["dy"], (1, 128), 3), (1,), E5M2)
   dot = jax.jit(lambda a, sa, b, sb: fp8_blockwise_ragged_dot(a, sa, b, sb, groups))
   y = host(dot(x_q, s_x, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(s_w, 1, 2)))[:used]
   dx = host(dot(dy_q, s_dy, w_q, s_w))[:used]
@@ -206,7 +207,8 @@ def transpose_case(c: dict) -> dict:
 
 
 def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
-  """One transpose job, one kernel job and two end-to-end jobs per (shape, routing)."""
+  """Per (shape, routing): a transpose job, two kernel jobs (as jmoe runs them, and every row
+  kernel promoted), a blockwise job and two end-to-end jobs."""
   def job(kind_of_check, shape, kind):
     check = f"fp8_{kind_of_check}/{shape}/{kind}"
 

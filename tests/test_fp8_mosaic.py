@@ -265,6 +265,34 @@ def test_the_blockwise_kernel_passes_the_gpu_check_in_the_gpu_interpreter(monkey
   assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
 
 
+def test_the_kernels_have_no_races_in_the_gpu_interpreter():
+  """Pallas' GPU interpreter with its race detector (happens-before over the simulated threads,
+  TMA units and barriers) finds no race in any kernel: the row kernel, promoted and with
+  blockwise scales (whose row-scale reads need a fence before the TMA refills their slot:
+  without it the detector reports races), and the weight gradient's."""
+  import functools
+  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks  # (no public accessor)
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jmoe.ops.fp8_mosaic import (fp8_aligned_contract, fp8_blockwise_ragged_dot,
+                                   fp8_ragged_dot)
+  checked = plgpu.InterpretGPUParams(detect_races=True)
+  rows = functools.partial(kernels.ragged_rows, interpret=checked)
+  keys = jax.random.split(jax.random.key(3), 2)
+  x = jax.random.normal(keys[0], (300, 384)).astype(jnp.float8_e4m3fn)
+  w = jax.random.normal(keys[1], (3, 256, 384)).astype(jnp.float8_e4m3fn)
+  sizes = jnp.asarray([100, 0, 190])
+  runs = {"rows": lambda: fp8_ragged_dot(x, w, sizes, rows),
+          "promoted": lambda: fp8_ragged_dot(x, w, sizes, rows, promote=True),
+          "blockwise": lambda: fp8_blockwise_ragged_dot(x, jnp.ones((300, 3)), w,
+                                                        jnp.ones((3, 2, 3)), sizes, rows),
+          "contract": lambda: fp8_aligned_contract(
+              x, x[:, :256], sizes, functools.partial(kernels.aligned_contract,
+                                                      interpret=checked))}
+  for name, run in runs.items():
+    jax.block_until_ready(run())
+    assert gpu_callbacks._races is not None and not gpu_callbacks._races.races_found, name
+
+
 def test_long_contractions_promote_the_row_kernels_sums():
   """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted; below it, not."""
   from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K, fp8_ragged_dot

@@ -41,21 +41,26 @@ import jax.numpy as jnp
 INTERPRETED_PROGRAMS = 3
 
 
-def _launch(interpret: bool | None) -> dict:
+def _launch(interpret) -> dict:
   """plgpu.kernel's grid and interpreter arguments: one program per SM compiled for the GPU;
   INTERPRETED_PROGRAMS through Pallas' GPU interpreter where the kernel is to be interpreted
-  (`interpret`; None: on hosts without a GPU, as tests on CPU run it)."""
+  (`interpret`: True, or the interpreter's parameters, e.g. with its race detector on; None: on
+  hosts without a GPU, as tests on CPU run it)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   if interpret:
-    return dict(grid=(INTERPRETED_PROGRAMS,), interpret=plgpu.InterpretGPUParams())
+    params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else (
+        plgpu.InterpretGPUParams())
+    return dict(grid=(INTERPRETED_PROGRAMS,), interpret=params)
   return dict(grid=(getattr(jax.devices()[0], "core_count", None) or 132,))
 
 
-def _store_rows(out_smem, out_ref, row0, first, count, col0, block_n: int, widths) -> None:
+def _store_rows(out_smem, out_ref, row0, first, count, col0, block_n: int, widths,
+                wait: bool = True) -> None:
   """out_smem's rows [first, first + count) to out_ref's rows from row0 + first, columns from
-  col0: one TMA store of 2^i rows per set bit i of count (a TMA copy's shape is static)."""
+  col0: one TMA store of 2^i rows per set bit i of count (a TMA copy's shape is static).
+  `wait`: until the stores have read out_smem (else the caller waits before reusing it)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   plgpu.commit_smem()
@@ -69,7 +74,8 @@ def _store_rows(out_smem, out_ref, row0, first, count, col0, block_n: int, width
                               out_ref.at[pl.ds(row0 + offset, width), pl.ds(col0, block_n)])
 
     offset = offset + take
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  if wait:
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _powers_of_two(rows: int) -> list[int]:
@@ -81,7 +87,7 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
                 scales: tuple[jax.Array, jax.Array] | None = None, *, block_m: int,
                 block_n: int, block_k: int, steps: int, grid_block_n: int,
                 out_dtype=jnp.bfloat16, promote: bool = False,
-                interpret: bool | None = None) -> jax.Array:
+                interpret=None) -> jax.Array:
   """[M, N]: for each row tile t (table_4T[:, t] = expert, row block, first row within the
   block, row count; count 0: nothing to do), the rows [block * block_m + first, + count) of
   a . b[expert]^T. Rows no tile covers are left unwritten (the caller zeroes them).
@@ -137,17 +143,18 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
 def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
                   scales: tuple[jax.Array, jax.Array] | None = None, *, block_m: int,
                   block_n: int, block_k: int, steps: int, grid_block_n: int,
-                  out_dtype=jnp.bfloat16, interpret: bool | None = None) -> jax.Array:
+                  out_dtype=jnp.bfloat16, interpret=None) -> jax.Array:
   """`ragged_rows` with its sums promoted to float32 every K step: each step's products are
   summed by the tensor cores into an accumulator of their own, which is then added to the
   tile's float32 sum in registers, as DeepSeek-V3's kernels do: Hopper's FP8 wgmma adds into
   its accumulator with fewer bits than float32, an error that grows with the contraction
   (Mixtral's 14,336 and 28,672).
 
-  Warp-specialized, so that the tensor cores stay busy while a step's sum is added: one
+  Warp-specialized, meant to keep the tensor cores busy while a step's sum is added: one
   warpgroup issues the TMA loads, two compute warpgroups each take half of the tile's rows
   (block_m / 2 x block_n; the step's products and the sum take block_m x block_n / 128
-  registers per thread together), so one's wgmma runs while the other waits and adds.
+  registers per thread together, by the arithmetic), so that one's wgmma can run while the
+  other waits and adds. A tile's output stores run beside the next tile's steps.
 
   `scales` = (a_scale_KM [K / block_k, M], b_scale_ENK [E, ceil(N / 128), K / block_k]),
   float32: blockwise scaling, one scale per block_k-long piece of each row of a and per
@@ -200,6 +207,13 @@ def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
         def step(index, a_smem, b_smem, *rest):
           *row_scale_smem, sum_ = rest
           rows = pl.ds(wg * half, half)
+          if row_scale_smem:
+            # Read before the wgmma is issued, so that neither read waits behind it; the fence
+            # orders this read of the slot before the TMA that refills it once it is released.
+            row_scale = plgpu.load(row_scale_smem[0].at[0, rows],
+                                   layout=plgpu.Layout.WGMMA.reduce(1))
+            tile_scale = scale_refs[1][expert, ni * block_n // 128, index[0]]
+            plgpu.commit_smem()
 
           def products(acc_ref):
             plgpu.wgmma(acc_ref, a_smem.at[rows], b_smem.transpose((1, 0)))
@@ -207,9 +221,6 @@ def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
 
           part = pl.run_scoped(products, plgpu.ACC((half, block_n)))
           if row_scale_smem:
-            row_scale = plgpu.load(row_scale_smem[0].at[0, rows],
-                                   layout=plgpu.Layout.WGMMA.reduce(1))
-            tile_scale = scale_refs[1][expert, ni * block_n // 128, index[0]]
             part = part * jax.lax.broadcast_in_dim(row_scale * tile_scale, part.shape, [0])
           return sum_ + part
 
@@ -220,14 +231,19 @@ def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
           # This warpgroup's rows of the tile: [wg * half, + half) within the row block.
           lo = jnp.clip(first - wg * half, 0, half)
           hi = jnp.clip(first + count - wg * half, 0, half)
+          # The last tile's stores must have read out_smem before it is written again; they
+          # ran beside this tile's steps.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           out_smem[wg] = sum_.astype(out_dtype)
           _store_rows(out_smem.at[wg], out_ref, block * block_m + wg * half, lo, hi - lo,
-                      ni * block_n, block_n, widths)
+                      ni * block_n, block_n, widths, wait=False)
 
         @pl.when(count > 0)
         def _work():
           pipeline_for(block, ni, step, compute_context)(*operands(expert),
                                                          allocations=allocations)
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid_names=("sm",),
@@ -238,7 +254,7 @@ def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
 
 def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, block_m: int,
                      block_n: int, block_k: int, steps: int, grid_block_n: int,
-                     out_dtype=jnp.bfloat16, interpret: bool | None = None) -> jax.Array:
+                     out_dtype=jnp.bfloat16, interpret=None) -> jax.Array:
   """[E, D, F]: out[e] = a[:, c] . b[:, c]^T over expert e's columns c, which are the
   blocks_2E[1, e] column blocks (of block_k) from block blocks_2E[0, e]. An expert with no
   blocks gets zeros (the accumulator starts at zero). Every tile is written."""
