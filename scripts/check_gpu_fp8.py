@@ -24,7 +24,7 @@ fp8_grouped_wfp8/..., in FP8): moe.gemm=mosaic with precision.gemm=fp8
 inputs, within FP8's own error (5% forward, 12% gradients, as tests/test_fp8.py), with rows past
 the groups exactly zero in y and dx: the wiring, the scales and the zeroing.
 Kernel cases with every row-kernel call's sums promoted to float32 each K step
-(fp8_kernels_promoted/SHAPE/ROUTING; `ragged_rows(promote=True)`, which jmoe runs for
+(fp8_kernels_promoted/SHAPE/ROUTING; `promoted_rows`, which precision.fp8_promote=long runs for
 contractions of PROMOTE_FROM_K or more): the same tolerance. Blockwise cases
 (fp8_blockwise/SHAPE/ROUTING): the row kernel with DeepSeek-V3's tile scales applied per K step,
 forward and input gradient, on inputs whose tiles differ in magnitude (2^-4 to 2^4), against the
@@ -82,10 +82,9 @@ def expert_rows(sizes) -> list[slice]:
   return [slice(int(s), int(e)) for s, e in zip(ends - sizes, ends)]
 
 
-def kernel_case(c: dict, promote: bool | None = None) -> dict:
+def kernel_case(c: dict, promote: bool = False) -> dict:
   """The three kernels on one case, scaled as the caller scales them, against the dequantized
-  float32 reference; the row kernels' sums promoted to float32 every K step as jmoe runs them
-  (None: on contractions of PROMOTE_FROM_K or more) or as `promote` says."""
+  float32 reference; with `promote`, the row kernels' sums promoted to float32 every K step."""
   from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
   sizes = c["sizes"]
   groups = jnp.asarray(sizes)
@@ -138,8 +137,9 @@ def blockwise_case(c: dict) -> dict:
   """The row kernel with blockwise scales (precision.fp8_recipe=blockwise: x and dy in 1 x 128
   tiles, w in 128 x 128), forward and input gradient, against the float32 reference of the
   dequantized tiles, expert by expert. Every tile of the inputs is given a magnitude from 2^-4
-  to 2^4, so that a scale taken from the wrong tile, row or expert shows; and the case reports what the busiest
-  expert's tile scales doubled would give (and fails if the tolerance would not catch it by 10x)."""
+  to 2^4, so that a scale taken from the wrong tile, row or expert shows; and the case reports
+  what the busiest expert's tile scales doubled would give (and fails if the tolerance would
+  not catch it by 10x)."""
   from jmoe.ops.fp8 import E5M2
   from jmoe.ops.fp8_blockwise import dequantize_blocks, quantize_blocks
   from jmoe.ops.fp8_mosaic import fp8_blockwise_ragged_dot
@@ -217,7 +217,7 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
       if kind_of_check == "transpose":
         return {"check": check, **transpose_case(c)}
       if kind_of_check.startswith("kernels"):
-        return {"check": check, **kernel_case(c, True if "promoted" in kind_of_check else None)}
+        return {"check": check, **kernel_case(c, "promoted" in kind_of_check)}
       if kind_of_check == "blockwise":
         return {"check": check, **blockwise_case(c)}
       return {"check": check, **grouped_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}

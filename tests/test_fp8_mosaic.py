@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 import jmoe.ops.fp8_mosaic_kernels as kernels
+from jmoe.config import ConfigError
 from jmoe.ops import mosaic_gemm
 from jmoe.ops.fp8_grouped import grouped_fp8
 from jmoe.ops.fp8_mosaic import group_aligned_columns, mosaic_fp8_kernels, row_tiles
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
-from helpers import opaque, sixteen_bit, weight_copies_grown
+from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 SIZES = [[5, 0, 9, 3, 7], [0, 0, 24, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]
@@ -205,7 +206,7 @@ def gpu_check():
   return check_gpu_fp8
 
 
-@pytest.mark.parametrize("promote", [None, True])
+@pytest.mark.parametrize("promote", [False, True])
 def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
   """The kernels, interpreted, through scripts/check_gpu_fp8.py's kernel case and its end-to-end
   case (FP8 weight gradient: every kernel, no 16-bit one): three empty experts and 62 rows past
@@ -222,12 +223,12 @@ def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch, prom
   got = check.kernel_case(c, promote)
   assert got["ok"], got
   assert max(got["out"], got["dx"], got["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE, got
-  if promote is None:
+  if not promote:
     got = check.grouped_case(c, "fp8")
     assert got["ok"], got
 
 
-@pytest.mark.parametrize("promote", [None, True])
+@pytest.mark.parametrize("promote", [False, True])
 def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
   """The same case fails with a kernel that stops one K step short (the interpreter runs what
   the kernel says, not what it should)."""
@@ -293,21 +294,33 @@ def test_the_kernels_have_no_races_in_the_gpu_interpreter():
     assert gpu_callbacks._races is not None and not gpu_callbacks._races.races_found, name
 
 
-def test_long_contractions_promote_the_row_kernels_sums():
-  """From PROMOTE_FROM_K on, the row kernel is called with its sums promoted; below it, not."""
-  from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K, fp8_ragged_dot
+@pytest.mark.parametrize("promote", ["never", "long", "always"])
+def test_fp8_promote_chooses_which_row_kernel_calls_promote_their_sums(monkeypatch, promote):
+  """precision.fp8_promote: `never` (the default) no row-kernel call, `long` those contracting
+  over PROMOTE_FROM_K or more, `always` every one; through moe.gemm=mosaic's FP8 GEMM, whose
+  forward and input gradient both contract over the longer side here."""
+  from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K
   seen = []
 
   def rows(a, b, table, **kw):
-    seen.append((a.shape[1], kw["block_n"], kw.get("promote", False)))
+    seen.append((a.shape[1], kw.get("promote", False)))
     return fake_rows(a, b, table, **kw)
 
-  sizes = jnp.asarray([3, 5])
+  monkeypatch.setattr(kernels, "ragged_rows", rows)
+  gemm = grouped_gemm("mosaic", "e5m2", False, "fp8", promote)
   for k in (PROMOTE_FROM_K - 128, PROMOTE_FROM_K):
-    x = jnp.ones((8, k), jnp.float8_e4m3fn)
-    y = fp8_ragged_dot(x, jnp.ones((2, 256, k), jnp.float8_e4m3fn), sizes, rows)
+    x, w = jnp.ones((8, k), jnp.bfloat16), jnp.ones((2, k, k), jnp.bfloat16)
+    y = jax.jit(gemm)(x, w, jnp.asarray([3, 5]))
     np.testing.assert_array_equal(y, k)
-  assert seen == [(PROMOTE_FROM_K - 128, 128, False), (PROMOTE_FROM_K, 128, True)]
+  want = {"never": [False, False], "long": [False, True], "always": [True, True]}[promote]
+  assert seen == list(zip((PROMOTE_FROM_K - 128, PROMOTE_FROM_K), want))
+  assert tiny_config(precision=dict(gemm="fp8", fp8_promote=promote)).precision.fp8_promote == (
+      promote)
+
+
+def test_fp8_promote_refuses_other_values():
+  with pytest.raises(ConfigError, match="precision.fp8_promote"):
+    tiny_config(precision=dict(gemm="fp8", fp8_promote="sometimes"))
 
 
 @pytest.mark.parametrize("f8", F8)
@@ -422,8 +435,8 @@ def test_auto_weight_gradient_goes_by_the_experts_mean_rows():
     gemm, activation, swiglu_limit, swiglu_alpha, expert_blocks = "ragged_dot", "swiglu", 0, 0, 0
 
   auto = ExpertCompute.from_config(Cfg, "e5m2", False, "auto")
-  assert auto.grouped is grouped_gemm("ragged_dot", "e5m2", False, "fp8")
-  assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16")
+  assert auto.grouped is grouped_gemm("ragged_dot", "e5m2", False, "fp8", "never")
+  assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16", "never")
   assert ExpertCompute.from_config(Cfg, "e5m2", False, "fp8").grouped_few_rows is None
   used = []
   gemm = lambda name: (lambda x, w, sizes: used.append(name) or x @ w[0])

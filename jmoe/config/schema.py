@@ -335,6 +335,11 @@ class PrecisionConfig:
   # on the dequantized input) | auto (fp8 where a device's experts average 1,024 rows or more,
   # where it measured faster on moe.gemm=mosaic; docs/FP8.md)
   fp8_weight_gradient: str = "auto"
+  # moe.gemm=mosaic's FP8 row kernels (forward, input gradient) with their sums added into
+  # float32 registers every 128-deep K step: never | long (contractions of 8,192 and more, where
+  # Hopper's FP8 accumulator lost bits on the H200) | always. `never` until the promoting
+  # kernel is measured on the H200 (docs/FP8.md).
+  fp8_promote: str = "never"
 
 
 @dataclass(frozen=True)

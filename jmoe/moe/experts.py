@@ -88,11 +88,12 @@ class ExpertCompute:
 
   @classmethod
   def from_config(cls, cfg, fp8_grad_format: str | None = None, blockwise: bool = False,
-                  weight_gradient: str = "bf16") -> ExpertCompute:
+                  weight_gradient: str = "bf16", promote: str = "never") -> ExpertCompute:
     """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given,
     on blockwise scales with `blockwise`, the grouped weight gradient in `weight_gradient`
-    (`auto`: by the rows per expert, `weight_gradient_for`)."""
-    grouped = lambda how: grouped_gemm(cfg.gemm, fp8_grad_format, blockwise, how)
+    (`auto`: by the rows per expert, `weight_gradient_for`), the kernels' sums promoted as
+    `promote` (precision.fp8_promote) says."""
+    grouped = lambda how: grouped_gemm(cfg.gemm, fp8_grad_format, blockwise, how, promote)
     many, few = (weight_gradient_for(weight_gradient, rows) for rows in (math.inf, 0))
     return cls(grouped(many), batched_gemm(fp8_grad_format),
                gated_activation(cfg), cfg.expert_blocks, grouped_gemm(cfg.gemm, None),

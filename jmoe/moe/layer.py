@@ -111,7 +111,8 @@ class MoE(nnx.Module):
     experts_fp8 = fp8 is not None and fp8.experts
     compute = ExpertCompute.from_config(self.cfg, fp8.grad_format if experts_fp8 else None,
                                         experts_fp8 and fp8.blockwise,
-                                        fp8.weight_gradient if experts_fp8 else "bf16")
+                                        fp8.weight_gradient if experts_fp8 else "bf16",
+                                        fp8.promote if experts_fp8 else "never")
     stages = moe_stages(lambda axes, num_local: self._dispatcher(axes, num_local, layout is None),
                         compute, self.cfg.dispatch_chunks)
     # Inside a pipeline stage (vmapped over the stage axis) shard_map cannot type the stage axis

@@ -44,6 +44,7 @@ class Fp8Recipe:
   blockwise: bool = False
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
   weight_gradient: str = "auto"  # the expert GEMMs' weight gradient: auto | bf16 | fp8
+  promote: str = "never"  # the expert kernels' sums promoted to float32: never | long | always
 
   @property
   def grad_dtype(self):
@@ -59,7 +60,8 @@ def recipe_from_config(precision) -> Fp8Recipe | None:
                    history=precision.fp8_amax_history, grad_format=precision.fp8_grad_format,
                    experts=precision.fp8_experts, dense=precision.fp8_dense,
                    dispatch=precision.fp8_dispatch,
-                   weight_gradient=precision.fp8_weight_gradient)
+                   weight_gradient=precision.fp8_weight_gradient,
+                   promote=precision.fp8_promote)
 
 
 def scale_for(amax: jax.Array, dtype) -> jax.Array:

@@ -40,11 +40,13 @@ from jmoe.ops.rows import row_groups
 FP8_BLOCK_K = 128  # 128 one-byte values: one 128-byte swizzled row of shared memory
 
 
-# Contractions from this long on run the forward kernel with its sums promoted to float32 every
-# K step (`ragged_rows(promote=True)`): on the H200 the forward of Mixtral's down projection
-# (K = 14,336) was 3.32e-3 off the float32 sums of its operands where K = 2,048 gave 1.87e-3
-# (one bf16 rounding alone: 1.66e-3), the error of an accumulator with fewer bits than float32.
+# precision.fp8_promote=long: contractions from this long on run the row kernel with its sums
+# promoted to float32 every K step (`promoted_rows`). On the H200 the forward of Mixtral's down
+# projection (K = 14,336) was 3.32e-3 off the float32 sums of its operands where K = 2,048 gave
+# 1.87e-3 (one bf16 rounding alone: 1.66e-3), the error of an accumulator with fewer bits than
+# float32.
 PROMOTE_FROM_K = 8192
+PROMOTE_SETTINGS = {"never": None, "long": PROMOTE_FROM_K, "always": 0}  # -> promote_from_k
 
 
 def fp8_tiles(n: int) -> Tiles:
@@ -109,17 +111,14 @@ def aligned_transpose(x_XD: jax.Array, source_P: jax.Array) -> jax.Array:
 
 
 def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
-                   kernel=None, out_dtype=jnp.bfloat16, promote: bool | None = None
-                   ) -> jax.Array:
+                   kernel=None, out_dtype=jnp.bfloat16, promote: bool = False) -> jax.Array:
   """[X, N] = x . w[e]^T for each expert's rows (float8 operands, both K-major); rows past the
   groups unwritten. K and N are padded with zeros to the tiles (exact), rows to a multiple of 8.
-  `promote` (None: for contractions of PROMOTE_FROM_K or more): the kernel's sums promoted to
-  float32 every K step."""
+  `promote`: the kernel's sums promoted to float32 every K step (`promoted_rows`)."""
   from jmoe.ops.fp8_mosaic_kernels import ragged_rows
   kernel = kernel or ragged_rows
   rows, k = x_XK.shape
   n = w_ENK.shape[1]
-  promote = k >= PROMOTE_FROM_K if promote is None else promote
   tiles = fp8_tiles(n)
   k_pad, n_pad = round_up(k, tiles.block_k), round_up(n, tiles.block_n)
   x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, round_up(rows, ROW_MULTIPLE))
@@ -179,15 +178,17 @@ def fp8_aligned_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Ar
   return out[:, :d, :f]
 
 
-def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None
-                       ) -> RaggedKernels:
+def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None,
+                       promote_from_k: int | None = None) -> RaggedKernels:
   """The Mosaic backend's float8 kernels in `RaggedKernels` form, (x_q, w_q [E, K, N], sizes)
   and (x_q, y_q, sizes): the forward's w_q is transposed to K-major here; the input gradient,
   handed w_q^T by `grouped_fp8`, gets w_q back (XLA cancels the two transposes); a weight
-  gradient in bf16 runs the 16-bit Mosaic kernel (jmoe/ops/mosaic_gemm.py)."""
+  gradient in bf16 runs the 16-bit Mosaic kernel (jmoe/ops/mosaic_gemm.py). The row kernels
+  promote their sums for contractions of `promote_from_k` or more (None: never)."""
+  promote = lambda k: promote_from_k is not None and k >= promote_from_k
   return RaggedKernels(
       dot=lambda x, w_EKN, sizes: fp8_ragged_dot(x, jnp.swapaxes(w_EKN, 1, 2), sizes,
-                                                 rows_kernel),
+                                                 rows_kernel, promote=promote(x.shape[1])),
       contract=lambda x, y, sizes: fp8_aligned_contract(x, y, sizes, contract_kernel),
       contract16=contract16 or _contract16)
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jmoe.errors import choice
 from jmoe.ops.fp8_blockwise import BlockwiseKernels, blockwise_grouped
 from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
-from jmoe.ops.fp8_mosaic import mosaic_blockwise_kernels, mosaic_fp8_kernels
+from jmoe.ops.fp8_mosaic import PROMOTE_SETTINGS, mosaic_blockwise_kernels, mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
 
@@ -44,6 +44,9 @@ class GroupedGemm:
   # its kernels for blockwise-scaled float8 operands, if it has any (else the blockwise recipe
   # runs its 16-bit GEMM on the dequantized operands)
   fp8_blockwise: BlockwiseKernels | None = None
+  # its float8 kernels with their sums promoted to float32 from contractions of the given length
+  # on (precision.fp8_promote), if it has any
+  fp8_promoted: Callable[[int], RaggedKernels] | None = None
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
@@ -93,6 +96,7 @@ def _dense_contract_f8(x_XD, y_XF, group_sizes_E):
 GEMM_BACKENDS: dict[str, GroupedGemm] = {
     # Their custom VJPs drop shard_map's varying types.
     "mosaic": GroupedGemm(mosaic_grouped_gemm, mosaic_fp8_kernels(), mosaic_blockwise_kernels(),
+                          lambda k: mosaic_fp8_kernels(promote_from_k=k),
                           keeps_varying_axes=False, portable=False),
     "ragged_dot": GroupedGemm(_ragged_dot, RaggedKernels(_ragged_dot_f8, _ragged_contract_f8)),
     "dense": GroupedGemm(_dense, RaggedKernels(_dense_f8, _dense_contract_f8)),
@@ -118,11 +122,12 @@ def check_backend(name: str) -> None:
 
 @functools.cache
 def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False,
-                 weight_gradient: str = "bf16") -> GroupedGemm:
+                 weight_gradient: str = "bf16", promote: str = "never") -> GroupedGemm:
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
   is given and the backend has float8 kernels, the weight gradient in `weight_gradient` (bf16
-  where the backend has a 16-bit contraction for it, else float8); with `blockwise`, on
-  DeepSeek-V3's blockwise scaled operands, through its blockwise float8 kernels where it has
+  where the backend has a 16-bit contraction for it, else float8), the kernels' sums promoted
+  to float32 as `promote` (precision.fp8_promote) says where the backend can; with `blockwise`,
+  on DeepSeek-V3's blockwise scaled operands, through its blockwise float8 kernels where it has
   them, else its 16-bit ones (jmoe/ops/fp8_blockwise.py)."""
   check_backend(name)
   name = auto_gemm() if name == "auto" else name
@@ -136,8 +141,11 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
     log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
                 "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
     return backend
-  return dataclasses.replace(backend, gemm=grouped_fp8(backend.fp8, fp8_grad_format,
-                                                       weight_gradient))
+  kernels = backend.fp8
+  promote_from_k = PROMOTE_SETTINGS[promote]
+  if promote_from_k is not None and backend.fp8_promoted is not None:
+    kernels = backend.fp8_promoted(promote_from_k)
+  return dataclasses.replace(backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient))
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF
