@@ -365,3 +365,37 @@ def test_fp8_dense_false_leaves_the_dense_gemms_in_bf16():
          for name, g in (("bf16", bf16), ("experts", g_experts), ("all", g_all))})
   assert error(g_experts, "mlp") > 1.5 * error(bf16, "mlp")  # the experts are in FP8
   assert error(g_experts, "attn") < 0.5 * error(g_all, "attn")
+
+
+@pytest.mark.parametrize("recipe", ["current", "blockwise"])
+@pytest.mark.parametrize("devices, parallel", [
+    (1, {}), (8, dict(dense=dict(data=2, fsdp=4), expert=dict(data=2, expert=4)))])
+def test_tokens_quantized_before_dispatch_give_the_same_step(monkeypatch, recipe, devices,
+                                                             parallel):
+  """In FP8 the dispatchers that gather on the device quantize each token once and gather its
+  copies in float8 (`Rows.quantized`), instead of the GEMM quantizing every copy: the same
+  values, so the step is the same bit for bit (loss, gradient norm, new parameters), alone and
+  under expert parallelism (the all-gather dispatcher, inside shard_map)."""
+  from test_train import first_step
+  import jmoe.moe.dispatch as dispatch
+  from jmoe.moe.experts import ExpertCompute
+  config = tiny_config(precision=dict(gemm="fp8", fp8_recipe=recipe), parallel=parallel,
+                       moe=dict(expert_blocks=0))
+  made = []
+  real = dispatch.rows_by_local_expert
+
+  def recording(*args, **kwargs):
+    rows, s = real(*args, **kwargs)
+    made.append(rows.quantized is not None)
+    return rows, s
+
+  monkeypatch.setattr(dispatch, "rows_by_local_expert", recording)
+  before, p_before = first_step(config, jax.devices()[:devices])
+  assert made and all(made)
+  made.clear()
+  monkeypatch.setattr(ExpertCompute, "quantize_rows", lambda self, weights: None)
+  after, p_after = first_step(config, jax.devices()[:devices])
+  assert made and not any(made)
+  assert before["loss"] == after["loss"] and before["grad_norm"] == after["grad_norm"]
+  for a, b in zip(jax.tree.leaves(p_before), jax.tree.leaves(p_after)):
+    np.testing.assert_array_equal(a, b)

@@ -439,7 +439,7 @@ def test_auto_weight_gradient_goes_by_the_experts_mean_rows():
   assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16", "never")
   assert ExpertCompute.from_config(Cfg, "e5m2", False, "fp8").grouped_few_rows is None
   used = []
-  gemm = lambda name: (lambda x, w, sizes: used.append(name) or x @ w[0])
+  gemm = lambda name: (lambda x, w, sizes, quantized=None: used.append(name) or x @ w[0])
   compute = dataclasses.replace(auto, grouped=gemm("fp8"), grouped_few_rows=gemm("bf16"))
   weights = ExpertWeights(w_in_ED2F=jnp.ones((2, 4, 2, 4)), w_out_EFD=jnp.ones((2, 4, 4)))
   for mean, want in ((ROWS - 1, "bf16"), (ROWS, "fp8")):

@@ -70,7 +70,7 @@ class AllToAllContext:
 
 class AllToAllDispatcher(Dispatcher):
 
-  def dispatch(self, x_TD, expert_ids_TK, weights_TK):
+  def dispatch(self, x_TD, expert_ids_TK, weights_TK, quantize=None):
     axes = self.axes
     expert_ids_TK, weights_TK, dropped, max_rows_per_expert = self._apply_capacity(
         expert_ids_TK, weights_TK)

@@ -44,6 +44,9 @@ class Rows:
   # Rows per local expert when routing is balanced: every token's k copies spread over all E
   # experts, and the rows of the EP x ETP group's tokens meet on the devices of their experts.
   mean_rows_per_expert: float = struct.field(pytree_node=False)
+  # In FP8: x_XD's rows as the experts' first GEMM quantizes them (`GroupedGemm.quantize_rows`),
+  # quantized once per token before the copies were gathered; None: the GEMM quantizes x_XD.
+  quantized: Any = None
 
 
 @struct.dataclass
@@ -55,12 +58,19 @@ class Sorted:
 
 
 def rows_by_local_expert(x_TD: jax.Array, local_ids_TK: jax.Array, num_local: int,
-                         mean_rows_per_expert: float) -> tuple[Rows, Sorted]:
+                         mean_rows_per_expert: float, quantize=None) -> tuple[Rows, Sorted]:
   """The experts' rows: copies sorted by local expert, those of no local expert (id `num_local`)
-  last, as a group the GEMMs skip."""
+  last, as a group the GEMMs skip. `quantize` (x_TD -> float8 rows and their scales, row by
+  row): the tokens quantized once and their copies gathered in float8 beside x_XD (which the
+  GEMM then does not read: XLA drops its gather from the forward pass)."""
   s = sort_by_expert(x_TD, local_ids_TK, num_local + 1)
+  quantized = None
+  if quantize is not None:
+    token_X = s.order_X // local_ids_TK.shape[1]
+    quantized = jax.tree.map(lambda a: jnp.take(a, token_X, axis=0),
+                             quantize(jax.lax.stop_gradient(x_TD)))
   return Rows(x_XD=s.x_XD, group_sizes_E=s.group_sizes_E[:num_local],
-              mean_rows_per_expert=mean_rows_per_expert), s
+              mean_rows_per_expert=mean_rows_per_expert, quantized=quantized), s
 
 
 def sort_by_expert(x_TD: jax.Array, expert_ids_TK: jax.Array, num_experts: int) -> Sorted:
@@ -92,11 +102,12 @@ class Dispatcher(abc.ABC):
     self.dispatch_factor = dispatch_factor
 
   @abc.abstractmethod
-  def dispatch(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array
-               ) -> tuple[Rows, Any]:
+  def dispatch(self, x_TD: jax.Array, expert_ids_TK: jax.Array, weights_TK: jax.Array,
+               quantize=None) -> tuple[Rows, Any]:
     """This device's routed copies -> the rows of its local experts, and what combine needs
     (a pytree with the copies' `dropped_fraction` and the `overflow_rounds` the exchange
-    needed)."""
+    needed). `quantize`: how the experts' first GEMM quantizes its rows, for a dispatcher that
+    can quantize the tokens before it copies them (`Rows.quantized`); others ignore it."""
 
   def overflow(self, context: Any, experts: Callable[[Rows, Any], jax.Array], weights) -> Any:
     """The context with the experts' outputs for the copies `dispatch`'s rows left out, computed
@@ -145,12 +156,12 @@ class LocalDispatcher(Dispatcher):
   """No exchange: the tokens and the experts they chose are on this device. Rows sort by expert
   (copies of no expert here, dropped ones, last: a group the GEMMs skip) and sort back."""
 
-  def dispatch(self, x_TD, expert_ids_TK, weights_TK):
+  def dispatch(self, x_TD, expert_ids_TK, weights_TK, quantize=None):
     expert_ids_TK, weights_TK, dropped, _ = self._apply_capacity(expert_ids_TK, weights_TK)
     mean_rows = self._mean_rows(*expert_ids_TK.shape)
     x_TD, expert_ids_TK, weights_TK = self._gather(x_TD, expert_ids_TK, weights_TK)
     local_TK, mine_TK = local_choice(expert_ids_TK, self.num_local, self.axes)
-    rows, s = rows_by_local_expert(x_TD, local_TK, self.num_local, mean_rows)
+    rows, s = rows_by_local_expert(x_TD, local_TK, self.num_local, mean_rows, quantize)
     return rows, SortedContext(order_X=s.order_X, inverse_X=s.inverse_X,
                                weights_TK=jnp.where(mine_TK, weights_TK, 0.0),
                                dropped_fraction=dropped, overflow_rounds=jnp.zeros((), jnp.int32))

@@ -99,6 +99,14 @@ class ExpertCompute:
                gated_activation(cfg), cfg.expert_blocks, grouped_gemm(cfg.gemm, None),
                batched_gemm(None), grouped(few) if few != many else None)
 
+  def quantize_rows(self, weights: ExpertWeights):
+    """How the first GEMM quantizes its input rows, where dispatch may do it before gathering
+    them (FP8 grouped GEMMs, neither per-expert blocks nor adapters, which read the rows in 16
+    bits), else None."""
+    if self.block_factor or weights.lora is not None:
+      return None
+    return self.grouped.quantize_rows
+
   def __call__(self, rows: Rows, weights: ExpertWeights, axes: ExpertAxes) -> jax.Array:
     """y_XD for the rows of this device's experts (`axes`: where they run)."""
     if weights.b_out_ED is not None and axes.tensor:  # ETP partial sums add the down bias once
@@ -110,7 +118,7 @@ class ExpertCompute:
       grouped = self.grouped_few_rows
     if not self.block_factor:
       return expert_ffn(rows.x_XD, rows.group_sizes_E, weights, grouped, self.activation,
-                        self.adapter_grouped)
+                        self.adapter_grouped, rows.quantized)
     capacity = block_capacity(rows.mean_rows_per_expert, self.block_factor)
     # the grouped GEMM takes only the rows past the blocks: few per expert
     return blocked_expert_ffn(rows.x_XD, rows.group_sizes_E, weights, capacity, self.batched,
@@ -125,14 +133,15 @@ def _row_bias(b_EF: jax.Array, group_sizes_E: jax.Array, num_rows: int) -> jax.A
 
 def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights,
                gemm: GroupedGemm, activation: GatedActivation,
-               adapter_gemm: GroupedGemm | None = None) -> jax.Array:
+               adapter_gemm: GroupedGemm | None = None, quantized=None) -> jax.Array:
   """Each expert's gated FFN on its rows: gate and up in one grouped GEMM, then the down
   projection; with adapters, each projection plus its low-rank pair (`adapter_gemm`, default
-  `gemm`)."""
+  `gemm`). `quantized`: x's rows as `gemm.quantize_rows` makes them, for the first GEMM."""
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
   num_rows = x_XD.shape[0]
   lora, low = weights.lora, adapter_gemm or gemm
-  h_X2F = gemm(x_XD, weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff), group_sizes_E)
+  h_X2F = gemm(x_XD, weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff), group_sizes_E,
+               quantized)
   if lora is not None:
     up_ER2F = lora.b_in_ER2F.reshape(num_experts, -1, 2 * d_ff) * lora.scale
     h_X2F = h_X2F + low(low(x_XD, lora.a_in_EDR, group_sizes_E), up_ER2F, group_sizes_E)

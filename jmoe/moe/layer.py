@@ -50,7 +50,7 @@ def moe_stages(make_dispatcher: Callable[[ExpertAxes, int], Dispatcher], compute
     outputs = []
     for piece in pieces:
       with jax.named_scope("dispatch"):
-        rows, context = dispatcher.dispatch(*piece)
+        rows, context = dispatcher.dispatch(*piece, quantize=compute.quantize_rows(experts))
       with jax.named_scope("experts"):
         y_XD = run_experts(rows, experts)
       with jax.named_scope("overflow"):

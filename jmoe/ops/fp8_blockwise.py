@@ -97,15 +97,17 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2", kernels: BlockwiseKernels
   """The grouped GEMM `gemm` (x_XD, w_EDF, group_sizes_E) -> y_XF on blockwise-quantized
   operands: x in 1 x 128 tiles along D, w in 128 x 128 tiles of each expert's [D, F], the output
   gradient in 1 x 128 tiles along F (in `grad_format`). Zeros past the groups, as `gemm`. With
-  `kernels`, the forward and input gradient run on the float8 operands in those kernels."""
+  `kernels`, the forward and input gradient run on the float8 operands in those kernels.
+  `quantized`: x's tiles as `quantize_row_blocks` makes them, made before x's rows were gathered
+  (as in `jmoe.ops.fp8_grouped.grouped_fp8`)."""
   grad_dtype = FORMATS[grad_format]
 
   @jax.custom_vjp
-  def grouped(x_XD, w_EDF, group_sizes_E):
-    return _fwd(x_XD, w_EDF, group_sizes_E)[0]
+  def grouped(x_XD, w_EDF, group_sizes_E, quantized):
+    return _fwd(x_XD, w_EDF, group_sizes_E, quantized)[0]
 
-  def _fwd(x_XD, w_EDF, group_sizes_E):
-    x_q, x_scale = quantize_blocks(x_XD, (1,))
+  def _fwd(x_XD, w_EDF, group_sizes_E, quantized):
+    x_q, x_scale = quantize_row_blocks(x_XD) if quantized is None else quantized
     w_q, w_scale = quantize_blocks(w_EDF, (1, 2))
     if kernels is None:
       y = gemm(dequantize_blocks(x_q, x_scale, (1,), x_XD.dtype),
@@ -133,17 +135,23 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2", kernels: BlockwiseKernels
       dy_XF = blockwise_round_trip(dy_XF, (1,), grad_dtype)
       _, vjp = jax.vjp(lambda x, w: gemm(x, w, group_sizes_E), x_XD, w_deq)
       dx_XD, dw_EDF = vjp(dy_XF)
-      return dx_XD, dw_EDF.astype(w_EDF.dtype), None
+      return dx_XD, dw_EDF.astype(w_EDF.dtype), None, None
     dy_q, dy_scale = quantize_blocks(_in_groups(dy_XF, group_sizes_E), (1,), grad_dtype)
     dx_XD = _in_groups(kernels.dot(dy_q, dy_scale, w_q, w_scale, group_sizes_E), group_sizes_E)
     dw_EDF = kernels.contract16(x_XD, dequantize_blocks(dy_q, dy_scale, (1,), dtype),
                                 group_sizes_E)
     dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
-    return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None
+    return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None, None
 
   grouped.defvjp(_fwd, _bwd)
-  return lambda x_XD, w_EDF, group_sizes_E: grouped(x_XD, _varying_like(w_EDF, x_XD),
-                                                    group_sizes_E)
+  return lambda x_XD, w_EDF, group_sizes_E, quantized=None: grouped(
+      x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized)
+
+
+def quantize_row_blocks(x_XD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x_q, scale_XB): x in E4M3 in 1 x 128 tiles along its rows, as `blockwise_grouped`
+  quantizes its input."""
+  return quantize_blocks(x_XD, (1,))
 
 
 def _in_groups(y_XN: jax.Array, group_sizes_E: jax.Array) -> jax.Array:

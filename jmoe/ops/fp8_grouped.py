@@ -58,18 +58,21 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
   reused and its row scales fold into dy, which is then quantized with one scale.
   `weight_gradient="bf16"` (where the kernels have `contract16`): the same sum in the 16-bit
   kernel, over x_q dequantized (the values the forward multiplied) and dy as it comes.
+  `quantized`: x's rows as `quantize_rows` makes them, (x_q, scale_X1), made before x's rows
+  were gathered (each token once, not once per copy; the gather then moves one byte a value):
+  the forward takes them instead of quantizing x, which it then does not read.
   """
   grad_dtype = FORMATS[grad_format]
   contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
   @jax.custom_vjp
-  def gemm(x_XD, w_EDF, group_sizes_E):
-    return fwd(x_XD, w_EDF, group_sizes_E)[0]
+  def gemm(x_XD, w_EDF, group_sizes_E, quantized):
+    return fwd(x_XD, w_EDF, group_sizes_E, quantized)[0]
 
-  def fwd(x_XD, w_EDF, group_sizes_E):
-    scale_X1 = scale_for(amax(x_XD, axis=1, keepdims=True), E4M3)
+  def fwd(x_XD, w_EDF, group_sizes_E, quantized):
+    x_q, scale_X1 = quantize_rows(x_XD) if quantized is None else quantized
     scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
-    x_q, w_q = quantize(x_XD, scale_X1, E4M3), quantize(w_EDF, scale_E11, E4M3)
+    w_q = quantize(w_EDF, scale_E11, E4M3)
     y_XF = kernels.dot(x_q, w_q, group_sizes_E)
     expert_X = row_groups(group_sizes_E, x_XD.shape[0])
     y_XF = y_XF.astype(jnp.float32) * scale_X1 * take_rows(scale_E11[:, 0], expert_X)
@@ -108,14 +111,21 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
                                 group_sizes_E)
       dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded
     dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
-    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_EDF.dtype), None
+    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_EDF.dtype), None, None
 
   gemm.defvjp(fwd, bwd)
 
-  def grouped(x_XD, w_EDF, group_sizes_E):
-    return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E)
+  def grouped(x_XD, w_EDF, group_sizes_E, quantized=None):
+    return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized)
 
   return grouped
+
+
+def quantize_rows(x_XD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x_q, scale_X1): x in E4M3 with one float32 scale per row, as `grouped_fp8` quantizes its
+  input."""
+  scale_X1 = scale_for(amax(x_XD, axis=1, keepdims=True), E4M3)
+  return quantize(x_XD, scale_X1, E4M3), scale_X1
 
 
 def _varying_like(w, x):

@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.errors import choice
-from jmoe.ops.fp8_blockwise import BlockwiseKernels, blockwise_grouped
-from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8
+from jmoe.ops.fp8_blockwise import BlockwiseKernels, blockwise_grouped, quantize_row_blocks
+from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8, quantize_rows
 from jmoe.ops.fp8_mosaic import PROMOTE_SETTINGS, mosaic_blockwise_kernels, mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
@@ -47,13 +47,20 @@ class GroupedGemm:
   # its float8 kernels with their sums promoted to float32 from contractions of the given length
   # on (precision.fp8_promote), if it has any
   fp8_promoted: Callable[[int], RaggedKernels] | None = None
+  # In FP8: how it quantizes its input's rows, x_XD -> `quantized` (float8 rows and their
+  # scales), so that a caller may quantize the rows before gathering them and hand them over.
+  quantize_rows: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
   portable: bool = True  # runs (and traces) on every platform, not only on its GPU
 
-  def __call__(self, x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array) -> jax.Array:
-    return self.gemm(x_XD, w_EDF, group_sizes_E)
+  def __call__(self, x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array,
+               quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+    """`quantized`: x_XD's rows as `quantize_rows` makes them (only with it)."""
+    if quantized is None:
+      return self.gemm(x_XD, w_EDF, group_sizes_E)
+    return self.gemm(x_XD, w_EDF, group_sizes_E, quantized)
 
 
 # --- XLA's ragged dot, and the dense reference ---
@@ -136,7 +143,8 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
     return backend
   if blockwise:
     return dataclasses.replace(backend, gemm=blockwise_grouped(backend.gemm, fp8_grad_format,
-                                                               backend.fp8_blockwise))
+                                                               backend.fp8_blockwise),
+                               quantize_rows=quantize_row_blocks)
   if backend.fp8 is None:
     log.warning("moe.gemm=%s has no FP8 grouped GEMM, so its grouped GEMMs stay in bf16; "
                 "moe.expert_blocks > 0 runs the experts' blocks as FP8 batched GEMMs", name)
@@ -145,7 +153,8 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
   promote_from_k = PROMOTE_SETTINGS[promote]
   if promote_from_k is not None and backend.fp8_promoted is not None:
     kernels = backend.fp8_promoted(promote_from_k)
-  return dataclasses.replace(backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient))
+  return dataclasses.replace(backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient),
+                             quantize_rows=quantize_rows)
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF
