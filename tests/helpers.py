@@ -83,6 +83,15 @@ def sixteen_bit(x, w, sizes):
   return jax.lax.ragged_dot(x, w, sizes, preferred_element_type=x.dtype)
 
 
+def grouped_contract(x, y, sizes):
+  """Sum over each group's rows of x^T y, [E, D, F], in float32 (a weight-gradient kernel's
+  stand-in); a group with no rows comes back NaN, as memory a kernel leaves unwritten."""
+  expert_X = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
+  one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
+  out = jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
+  return jnp.where((sizes > 0)[:, None, None], out, jnp.nan)
+
+
 def weight_copies_grown(gemm, more_layers: int, param_dtype=jnp.bfloat16, experts: int = 8,
                         width: int = 512, rows: int = 64) -> float:
   """How much XLA's temporaries for the gradient of a stack of `gemm` layers (x -> tanh(gemm(x,

@@ -12,7 +12,7 @@ from jmoe.ops.fp8 import recipe_from_config
 from jmoe.ops.fp8_blockwise import (BlockwiseKernels, blockwise_grouped, dequantize_blocks,
                                     quantize_blocks)
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
-from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
+from helpers import grouped_contract, opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -96,15 +96,6 @@ def test_blockwise_grouped_gemm_multiplies_the_recipes_values():
   assert np.abs(np.asarray(y) - loop(np.asarray(x), np.asarray(w), sizes)).max() > 1e-2  # FP8
 
 
-def xla_contract(x, y, sizes):
-  """The weight gradient's contraction in float32 (a 16-bit kernel's stand-in); an expert with
-  no rows comes back NaN (unwritten)."""
-  expert_X = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
-  one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
-  out = jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
-  return jnp.where((sizes > 0)[:, None, None], out, jnp.nan)
-
-
 def test_blockwise_kernels_multiply_the_recipes_values():
   """moe.gemm=mosaic's blockwise path: the forward and input gradient in jmoe's row kernel (run
   by Pallas' Mosaic-GPU interpreter) on the float8 tiles and their scales, the weight gradient
@@ -120,7 +111,7 @@ def test_blockwise_kernels_multiply_the_recipes_values():
   x = x * jnp.repeat(2.0 ** jnp.arange(-2, 3), 32)[:160, None] * jnp.array([1.0] * 128 + [8.0] * 72)
   w = w * jnp.array([0.25] * 128 + [4.0] * 72)[None, :, None]
   gemm = blockwise_grouped(GEMM_BACKENDS["ragged_dot"].gemm, "e5m2",
-                           mosaic_blockwise_kernels(contract16=xla_contract))
+                           mosaic_blockwise_kernels(contract16=grouped_contract))
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), x, w)
   dx, dw = vjp(dy)
   xq, wq = round_trip(x, (1,)), round_trip(w, (1, 2))
@@ -179,6 +170,6 @@ def test_the_blockwise_kernels_path_holds_no_weight_copies_either():
     b = dequantize_blocks(b, b_scale, (1, 2), jnp.bfloat16)
     return sixteen_bit(a, jnp.swapaxes(b, 1, 2), sizes)
 
-  kernels = BlockwiseKernels(dot=dot, contract16=opaque(xla_contract))
+  kernels = BlockwiseKernels(dot=dot, contract16=opaque(grouped_contract))
   assert weight_copies_grown(blockwise_grouped(opaque(sixteen_bit), kernels=kernels),
                              more_layers=4) < 1

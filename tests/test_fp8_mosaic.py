@@ -19,7 +19,7 @@ from jmoe.ops import mosaic_gemm
 from jmoe.ops.fp8_grouped import grouped_fp8
 from jmoe.ops.fp8_mosaic import group_aligned_columns, mosaic_fp8_kernels, row_tiles
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
-from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
+from helpers import grouped_contract, opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 F8 = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 SIZES = [[5, 0, 9, 3, 7], [0, 0, 24, 0, 0], [1, 1, 1, 1, 1], [0, 0, 0, 0, 0]]
@@ -94,10 +94,7 @@ def fake_contract16(x, y, sizes):
   """mosaic_gemm.ragged_contract's contract in XLA: 16-bit operands, float32 sums, a bf16
   result; experts with no rows unwritten (NaN)."""
   assert x.dtype == y.dtype == jnp.bfloat16 and x.shape[0] % 8 == 0
-  expert_X = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(x.shape[0]), side="right")
-  one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
-  out = jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
-  return jnp.where((sizes > 0)[:, None, None], out, jnp.nan).astype(jnp.bfloat16)
+  return grouped_contract(x, y, sizes).astype(jnp.bfloat16)
 
 
 def loop_reference(x, w, sizes):
@@ -389,10 +386,7 @@ def test_a_bf16_weight_gradient_takes_the_dequantized_input_and_the_gradient_as_
 
   def contract16(x, y, sizes):
     seen.append((x.dtype, y.dtype))
-    ends = jnp.cumsum(sizes)
-    expert_X = jnp.searchsorted(ends, jnp.arange(x.shape[0]), side="right")
-    one_hot_XE = jax.nn.one_hot(expert_X, sizes.shape[0], dtype=jnp.float32)
-    return jnp.einsum("xd,xf,xe->edf", x.astype(jnp.float32), y.astype(jnp.float32), one_hot_XE)
+    return grouped_contract(x, y, sizes)
 
   sizes = np.asarray([30, 0, 45, 12, 9])
   rows = int(sizes.sum()) + 3

@@ -19,6 +19,7 @@ gradient (DeepSeek-V3 requantizes both along the rows, 128 x 1, for that GEMM) a
 them in 16 bits. The dense GEMMs keep per-tensor current scaling under this recipe (XLA's FP8
 GEMM takes one scale per operand).
 """
+
 from __future__ import annotations
 
 import dataclasses

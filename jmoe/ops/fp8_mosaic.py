@@ -25,6 +25,7 @@ arguments so that tests on CPU can stand in their own and check what is passed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -58,6 +59,12 @@ def fp8_tiles(n: int) -> Tiles:
   grid_n = round_up(n, 64) // block_n
   band = next(b for b in (4, 2, 1) if grid_n % b == 0)
   return Tiles(block_m=128, block_n=block_n, block_k=FP8_BLOCK_K, steps=4, grid_block_n=band)
+
+
+def _with_tiles(kernel, tiles: Tiles, out_dtype):
+  """`kernel` with its tile config (jmoe's FP8 kernels take Tiles' fields as keywords) and output
+  dtype bound."""
+  return functools.partial(kernel, **dataclasses.asdict(tiles), out_dtype=out_dtype)
 
 
 def row_tiles(group_sizes_E: jax.Array, num_rows: int, block_m: int) -> jax.Array:
@@ -124,9 +131,7 @@ def fp8_ragged_dot(x_XK: jax.Array, w_ENK: jax.Array, group_sizes_E: jax.Array,
   x_XK = pad_axis(pad_axis(x_XK, 1, k_pad), 0, round_up(rows, ROW_MULTIPLE))
   w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
   table_4T = row_tiles(group_sizes_E, x_XK.shape[0], tiles.block_m)
-  call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
-                           block_k=tiles.block_k, steps=tiles.steps,
-                           grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
+  call = _with_tiles(kernel, tiles, out_dtype)
   if promote:
     call = functools.partial(call, promote=True)
   y = one_call_per_batch(lambda x, w, table: call(x, w, table))(x_XK, w_ENK, table_4T)
@@ -152,9 +157,7 @@ def fp8_blockwise_ragged_dot(x_XK: jax.Array, x_scale_XB: jax.Array, w_ENK: jax.
   w_ENK = pad_axis(pad_axis(w_ENK, 2, k_pad), 1, n_pad)
   x_scale_BX = pad_axis(x_scale_XB.astype(jnp.float32), 0, rows_pad).T
   table_4T = row_tiles(group_sizes_E, rows_pad, tiles.block_m)
-  call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
-                           block_k=tiles.block_k, steps=tiles.steps,
-                           grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
+  call = _with_tiles(kernel, tiles, out_dtype)
   y = one_call_per_batch(lambda x, w, table, sx, sw: call(x, w, table, (sx, sw)))(
       x_XK, w_ENK, table_4T, x_scale_BX, w_scale_ECB.astype(jnp.float32))
   return y[:rows, :n]
@@ -171,9 +174,7 @@ def fp8_aligned_contract(x_XD: jax.Array, y_XF: jax.Array, group_sizes_E: jax.Ar
   source_P, blocks_2E = group_aligned_columns(group_sizes_E, x_XD.shape[0], tiles.block_k)
   x_DP = pad_axis(aligned_transpose(x_XD, source_P), 0, round_up(d, tiles.block_m))
   y_FP = pad_axis(aligned_transpose(y_XF, source_P), 0, round_up(f, tiles.block_n))
-  call = functools.partial(kernel, block_m=tiles.block_m, block_n=tiles.block_n,
-                           block_k=tiles.block_k, steps=tiles.steps,
-                           grid_block_n=tiles.grid_block_n, out_dtype=out_dtype)
+  call = _with_tiles(kernel, tiles, out_dtype)
   out = one_call_per_batch(lambda a, b, blocks: call(a, b, blocks))(x_DP, y_FP, blocks_2E)
   return out[:, :d, :f]
 

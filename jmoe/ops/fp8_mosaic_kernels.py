@@ -42,18 +42,20 @@ INTERPRETED_PROGRAMS = 3
 
 
 def _launch(interpret) -> dict:
-  """plgpu.kernel's grid and interpreter arguments: one program per SM compiled for the GPU;
-  INTERPRETED_PROGRAMS through Pallas' GPU interpreter where the kernel is to be interpreted
-  (`interpret`: True, or the interpreter's parameters, e.g. with its race detector on; None: on
-  hosts without a GPU, as tests on CPU run it)."""
+  """plgpu.kernel's launch arguments: warpgroup lowering; one program per SM compiled for the
+  GPU, INTERPRETED_PROGRAMS through Pallas' GPU interpreter where the kernel is to be
+  interpreted (`interpret`: True, or the interpreter's parameters, e.g. with its race detector
+  on; None: on hosts without a GPU, as tests on CPU run it)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  launch = dict(compiler_params=plgpu.CompilerParams(
+      lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   if interpret:
     params = interpret if isinstance(interpret, plgpu.InterpretGPUParams) else (
         plgpu.InterpretGPUParams())
-    return dict(grid=(INTERPRETED_PROGRAMS,), interpret=params)
-  return dict(grid=(getattr(jax.devices()[0], "core_count", None) or 132,))
+    return dict(launch, grid=(INTERPRETED_PROGRAMS,), interpret=params)
+  return dict(launch, grid=(getattr(jax.devices()[0], "core_count", None) or 132,))
 
 
 def _store_rows(out_smem, out_ref, row0, first, count, col0, block_n: int, widths,
@@ -135,8 +137,7 @@ def ragged_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
 
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid_names=("sm",),
-      **_launch(interpret),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      **_launch(interpret))
   return call(table_4T, a_MK, b_ENK)
 
 
@@ -247,8 +248,7 @@ def promoted_rows(a_MK: jax.Array, b_ENK: jax.Array, table_4T: jax.Array,
 
   call = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), grid_names=("sm",),
-      num_threads=3, thread_name="wg", **_launch(interpret),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      num_threads=3, thread_name="wg", **_launch(interpret))
   return call(table_4T, a_MK, b_ENK, *(scales or ()))
 
 
@@ -302,7 +302,6 @@ def aligned_contract(a_DP: jax.Array, b_FP: jax.Array, blocks_2E: jax.Array, *, 
 
   call = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((num_experts, d, f), out_dtype), grid_names=("sm",),
-      **_launch(interpret),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      **_launch(interpret))
   return call(blocks_2E, a_DP, b_FP)
 
