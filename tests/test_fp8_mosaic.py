@@ -16,6 +16,7 @@ import pytest
 import jmoe.ops.fp8_mosaic_kernels as kernels
 from jmoe.config import ConfigError
 from jmoe.ops import mosaic_gemm
+from jmoe.ops.fp8 import recipe_from_config
 from jmoe.ops.fp8_grouped import grouped_fp8
 from jmoe.ops.fp8_mosaic import group_aligned_columns, mosaic_fp8_kernels, row_tiles
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
@@ -203,30 +204,34 @@ def gpu_check():
   return check_gpu_fp8
 
 
-@pytest.mark.parametrize("promote", [False, True])
-def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
+@pytest.mark.parametrize("promote_from_k, promoted", [(None, [False, False]),
+                                                     (256, [True, False]), (0, [True, True])])
+def test_the_kernels_pass_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote_from_k,
+                                                               promoted):
   """The kernels, interpreted, through scripts/check_gpu_fp8.py's kernel case and its end-to-end
   case (FP8 weight gradient: every kernel, no 16-bit one): three empty experts and 62 rows past
   the groups; a contraction of 640 (5 K steps, one more than the 4 in flight) in the forward and
   a 192-wide output (64-wide tiles), the input gradient's contraction padded from 192 to 256;
   three experts' rows in the first row block, the last expert's over 4 blocks. With the row
-  kernels' sums promoted to float32 every K step too (the carried sum). The interpreter's
-  float32 sums leave the output's bf16 rounding as the whole error (1.66e-3 of 3e-3 allowed)."""
+  kernels' sums promoted to float32 every K step too (the carried sum): in both calls, and in
+  the forward alone, as `long` picks the calls by their contraction (here from 256). The
+  interpreter's float32 sums leave the output's bf16 rounding as the whole error (1.66e-3 of
+  3e-3 allowed)."""
   check = gpu_check()
   monkeypatch.setitem(check.SHAPES, "small", (6, 640, 192))
   c = check.quantized_case("small", "empty", 500, 2)
   sizes = c["sizes"]
   assert list(sizes) == [0, 39, 39, 0, 360, 0]
-  got = check.kernel_case(c, promote)
-  assert got["ok"], got
+  got = check.kernel_case(c, promote_from_k)
+  assert got["ok"] and got["promoted"] == promoted, got
   assert max(got["out"], got["dx"], got["dw_worst_expert"]) < 0.7 * check.FP8_TOLERANCE, got
-  if not promote:
+  if promote_from_k is None:
     got = check.grouped_case(c, "fp8")
     assert got["ok"], got
 
 
-@pytest.mark.parametrize("promote", [False, True])
-def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote):
+@pytest.mark.parametrize("promote_from_k", [None, 0])
+def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, promote_from_k):
   """The same case fails with a kernel that stops one K step short (the interpreter runs what
   the kernel says, not what it should)."""
   check = gpu_check()
@@ -238,7 +243,7 @@ def test_a_wrong_kernel_fails_the_gpu_check_in_the_gpu_interpreter(monkeypatch, 
     return real(a[:, :-block_k], b[..., :-block_k], table, block_k=block_k, **kw)
 
   monkeypatch.setattr(kernels, "ragged_rows", short)
-  got = check.kernel_case(c, promote)
+  got = check.kernel_case(c, promote_from_k)
   assert not got["ok"] and got["out"] > 10 * check.FP8_TOLERANCE, got
 
 
@@ -293,7 +298,7 @@ def test_the_kernels_have_no_races_in_the_gpu_interpreter():
 
 @pytest.mark.parametrize("promote", ["never", "long", "always"])
 def test_fp8_promote_chooses_which_row_kernel_calls_promote_their_sums(monkeypatch, promote):
-  """precision.fp8_promote: `never` (the default) no row-kernel call, `long` those contracting
+  """precision.fp8_promote: `never` no row-kernel call, `long` (the default) those contracting
   over PROMOTE_FROM_K or more, `always` every one; through moe.gemm=mosaic's FP8 GEMM, whose
   forward and input gradient both contract over the longer side here."""
   from jmoe.ops.fp8_mosaic import PROMOTE_FROM_K
@@ -313,6 +318,7 @@ def test_fp8_promote_chooses_which_row_kernel_calls_promote_their_sums(monkeypat
   assert seen == list(zip((PROMOTE_FROM_K - 128, PROMOTE_FROM_K), want))
   assert tiny_config(precision=dict(gemm="fp8", fp8_promote=promote)).precision.fp8_promote == (
       promote)
+  assert recipe_from_config(tiny_config(precision=dict(gemm="fp8")).precision).promote == "long"
 
 
 def test_fp8_promote_refuses_other_values():

@@ -44,7 +44,7 @@ class Fp8Recipe:
   blockwise: bool = False
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
   weight_gradient: str = "auto"  # the expert GEMMs' weight gradient: auto | bf16 | fp8
-  promote: str = "never"  # the expert kernels' sums promoted to float32: never | long | always
+  promote: str = "long"  # the expert kernels' sums promoted to float32: never | long | always
 
   @property
   def grad_dtype(self):
