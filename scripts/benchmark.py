@@ -64,7 +64,7 @@ def kernel_sources(hlo: str) -> dict[str, str]:
   sources = {}
   for match in re.finditer(r"%([\w.\-]+) = [^\n]*?metadata=\{([^}]*)\}", hlo):
     meta = dict(re.findall(r'(\w+)="?([^"\s]*)"?', match.group(2)))
-    where = meta.get("op_name", "")[-110:]
+    where = meta.get("op_name", "")
     if "source_file" in meta:
       where += f" @ {meta['source_file'].split('/jmoe/')[-1]}:{meta.get('source_line', '')}"
     sources[match.group(1).replace(".", "_").replace("-", "_")] = where
@@ -72,8 +72,9 @@ def kernel_sources(hlo: str) -> dict[str, str]:
 
 
 def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
-  """Device time per kernel kind, and the 40 longest kernels (with the JAX op each came from,
-  when `hlo` is given), from a profiler trace."""
+  """Device time per kernel kind, per kind and model scope (`scope_of`), and the 40 longest
+  kernels (with the JAX op each came from, when `hlo` is given), from a profiler trace; every
+  kernel goes to `trace_dir`/kernels.tsv."""
   import collections
   import glob
   import gzip
@@ -89,15 +90,47 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
       by_name[e["name"]] += float(e.get("dur", 0))
   total = sum(by_name.values()) or 1.0
   kinds = collections.Counter()
+  kind_of = {}
   for name, us in by_name.items():
     low = name.lower()
-    kind = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)), "other")
-    kinds[kind] += us
+    kind_of[name] = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)),
+                         "other")
+    kinds[kind_of[name]] += us
   sources = kernel_sources(hlo) if hlo else {}
+  source = lambda name: sources.get(name.replace(".", "_"), "")
+  scopes = collections.Counter()
+  rows = []
+  for name, us in by_name.most_common():
+    kind = kind_of[name]
+    scopes[f"{kind} | {scope_of(source(name))}"] += us
+    rows.append(f"{us / 1e3:.3f}\t{us / total:.5f}\t{kind}\t{name}\t{source(name)}")
+  # Every kernel, for reading the step offline (times over the traced steps, in ms).
+  pathlib.Path(trace_dir, "kernels.tsv").write_text(
+      "ms\tshare\tkind\tkernel\tsource\n" + "\n".join(rows) + "\n")
   return {"device_ms": round(total / 1e3, 2),
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
-          "top_kernels": [[n[:90], round(us / total, 4), sources.get(n.replace(".", "_"), "")]
+          # kind of kernel | the model's scope and pass it ran in, the largest first
+          "by_scope": {k: round(v / total, 4) for k, v in scopes.most_common(24)},
+          "top_kernels": [[n[:90], round(us / total, 4), source(n)[-110:]]
                           for n, us in by_name.most_common(40)]}
+
+
+# The model's named scopes (jmoe/moe/layer.py, jmoe/train/step.py), innermost first wins.
+SCOPES = ("optimizer", "route", "dispatch", "experts", "overflow", "combine")
+
+
+def scope_of(op_name: str) -> str:
+  """`jit(train_step)/transpose(jvp())/eval_jaxpr/experts/mul` -> `experts, backward`: the
+  innermost of SCOPES in a kernel's JAX op name, and the pass (forward, backward) it ran in."""
+  if not op_name:
+    return "unknown"
+  parts = op_name.split(" @ ")[0].split("/")
+  name = next((p for p in reversed(parts) if p in SCOPES), "rest")
+  if name == "optimizer":
+    return name
+  step = ("backward" if any(p.startswith("transpose(") for p in parts)
+          else "forward" if any(p.startswith("jvp(") for p in parts) else "")
+  return f"{name}, {step}" if step else name
 
 
 def dense_gemm_tflops(size: int = 8192, repeats: int = 10) -> float:

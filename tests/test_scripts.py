@@ -389,3 +389,44 @@ def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60, env=command_env())
   assert bad.returncode != 0 and "is a file, so nothing can be written" in bad.stderr
   assert "RESULT" not in bad.stdout and not bad.stdout.strip()  # refused before any run
+
+
+def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_path):
+  """A profiled step's kernels (a trace's GPU events, summed by name) are split by kind, and
+  by kind and the model scope and pass the compiled program's metadata names; every kernel is
+  written to kernels.tsv; events of the host's threads are not counted."""
+  import gzip
+  benchmark = scripts_module("benchmark")
+  meta = lambda op: f'metadata={{op_name="{op}" source_file="/x/jmoe/moe/layer.py" source_line=9}}'
+  hlo = "\n".join([
+      f"%loop_convert_fusion.3 = bf16[8] fusion(), {meta('jit(train_step)/jvp()/experts/cvt')}",
+      f"%input_reduce_fusion = f32[8] fusion(), "
+      f"{meta('jit(train_step)/transpose(jvp())/eval_jaxpr/experts/reduce_max')}",
+      f"%loop_concatenate_fusion = f32[8] fusion(), "
+      f"{meta('jit(train_step)/optimizer/convert_element_type')}"])
+  gpu, host = 1, 2
+  events = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": host, "args": {"name": "/host:CPU"}}]
+  for name, pid, us in [("loop_convert_fusion.3", gpu, 100), ("input_reduce_fusion", gpu, 300),
+                        ("loop_concatenate_fusion", gpu, 400), ("nvjet_sm90_tss", gpu, 200),
+                        ("loop_convert_fusion.3", gpu, 100), ("body_mosaic_gpu_kernel", host, 999)]:
+    events.append({"ph": "X", "name": name, "pid": pid, "dur": us})
+  trace = tmp_path / "plugins" / "profile" / "run"
+  trace.mkdir(parents=True)
+  with gzip.open(trace / "host.trace.json.gz", "wt") as f:
+    json.dump({"traceEvents": events}, f)
+
+  found = benchmark.kernel_breakdown(str(tmp_path), hlo)
+  assert found["device_ms"] == 1.1
+  assert found["share"] == {"other": 0.8182, "gemm": 0.1818}
+  assert found["by_scope"] == {"other | optimizer": 0.3636, "other | experts, backward": 0.2727,
+                               "gemm | unknown": 0.1818, "other | experts, forward": 0.1818}
+  assert found["top_kernels"][0] == ["loop_concatenate_fusion", 0.3636,
+                                     "jit(train_step)/optimizer/convert_element_type @ "
+                                     "moe/layer.py:9"]
+  rows = (tmp_path / "kernels.tsv").read_text().splitlines()
+  assert rows[0].split("\t") == ["ms", "share", "kind", "kernel", "source"]
+  assert [r.split("\t")[3] for r in rows[1:]] == [
+      "loop_concatenate_fusion", "input_reduce_fusion", "loop_convert_fusion.3", "nvjet_sm90_tss"]
+  assert benchmark.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
+      "rest, forward")
