@@ -84,10 +84,11 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
   events = json.load(gzip.open(sorted(paths)[-1]))["traceEvents"]
   devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
              and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-  by_name = collections.Counter()
+  by_name, launches = collections.Counter(), collections.Counter()
   for e in events:
     if e.get("ph") == "X" and e.get("pid") in devices:
       by_name[e["name"]] += float(e.get("dur", 0))
+      launches[e["name"]] += 1
   total = sum(by_name.values()) or 1.0
   kinds = collections.Counter()
   kind_of = {}
@@ -103,10 +104,11 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
   for name, us in by_name.most_common():
     kind = kind_of[name]
     scopes[f"{kind} | {scope_of(source(name))}"] += us
-    rows.append(f"{us / 1e3:.3f}\t{us / total:.5f}\t{kind}\t{name}\t{source(name)}")
-  # Every kernel, for reading the step offline (times over the traced steps, in ms).
+    rows.append(f"{us / 1e3:.3f}\t{launches[name]}\t{us / total:.5f}\t{kind}\t{name}\t"
+                f"{source(name)}")
+  # Every kernel, for reading the step offline (time and launches over the traced steps).
   pathlib.Path(trace_dir, "kernels.tsv").write_text(
-      "ms\tshare\tkind\tkernel\tsource\n" + "\n".join(rows) + "\n")
+      "ms\tlaunches\tshare\tkind\tkernel\tsource\n" + "\n".join(rows) + "\n")
   return {"device_ms": round(total / 1e3, 2),
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
           # kind of kernel | the model's scope and pass it ran in, the largest first

@@ -394,7 +394,8 @@ def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
 def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_path):
   """A profiled step's kernels (a trace's GPU events, summed by name) are split by kind, and
   by kind and the model scope and pass the compiled program's metadata names; every kernel is
-  written to kernels.tsv; events of the host's threads are not counted."""
+  written to kernels.tsv with its time and launches; events of the host's threads are not
+  counted."""
   import gzip
   benchmark = scripts_module("benchmark")
   meta = lambda op: f'metadata={{op_name="{op}" source_file="/x/jmoe/moe/layer.py" source_line=9}}'
@@ -425,8 +426,10 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
                                      "jit(train_step)/optimizer/convert_element_type @ "
                                      "moe/layer.py:9"]
   rows = (tmp_path / "kernels.tsv").read_text().splitlines()
-  assert rows[0].split("\t") == ["ms", "share", "kind", "kernel", "source"]
-  assert [r.split("\t")[3] for r in rows[1:]] == [
-      "loop_concatenate_fusion", "input_reduce_fusion", "loop_convert_fusion.3", "nvjet_sm90_tss"]
+  assert rows[0].split("\t") == ["ms", "launches", "share", "kind", "kernel", "source"]
+  assert [r.split("\t")[:5:4] for r in rows[1:]] == [
+      ["0.400", "loop_concatenate_fusion"], ["0.300", "input_reduce_fusion"],
+      ["0.200", "loop_convert_fusion.3"], ["0.200", "nvjet_sm90_tss"]]
+  assert [r.split("\t")[1] for r in rows[1:]] == ["1", "1", "2", "1"]
   assert benchmark.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
       "rest, forward")
