@@ -8,8 +8,8 @@ scripts/check_gpu.py (the last with rows past the groups): the operands are quan
 jmoe quantizes them (x per row and w per expert in E4M3; dy per row in E5M2 for the input
 gradient; for the weight gradient dy x (x's row scale) with one E5M2 scale), the kernels run, the
 scales are applied as jmoe's caller applies them, and each of y, dx and every expert's dw is
-compared with a float32 reference computed on the host, expert by expert, from the same
-DEQUANTIZED values. So FP8's own rounding is not in the error; what is left is the kernel's one
+compared with a float32 reference computed expert by expert (check_gpu.reference: on the
+device, at full float32 precision) from the same DEQUANTIZED values. So FP8's own rounding is not in the error; what is left is the kernel's one
 rounding of its float32 accumulator to the bf16 output (8 significant bits: half an ulp is 2^-9
 to 2^-8 of a value; 1.66e-3 RMS relative, measured with stand-in kernels that round the same
 way, tests/test_fp8_mosaic.py) and float32 summation order (~1e-6). The case passes at
@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from check_gpu import ROUTINGS, SHAPES, named, relative_error, routing, run_jobs
+from check_gpu import ROUTINGS, SHAPES, named, reference, relative_error, routing, run_jobs
 
 FP8_TOLERANCE = 3e-3
 # Mixtral's both: the longest contractions (its down projection's forward, K = 14,336, and its
@@ -112,13 +112,12 @@ def kernel_case(c: dict, promote_from_k: int | None = None) -> dict:
   y = host(y)[:used] * s_x * s_w[row_expert][:, None]
   dx = host(dx)[:used] * s_dy * s_w[row_expert][:, None]
   dw = host(dw) * float(c["s_folded"])
-  x_q, w_q, dy_q, g_q = (host(c[k]) for k in ("x_q", "w_q", "dy_q", "folded_q"))
-  y_ref, dx_ref, dw_ref = np.zeros_like(y), np.zeros_like(dx), np.zeros_like(dw)
-  for e, rows in enumerate(expert_rows(sizes)):  # the same float8 values, dequantized
-    w_e = w_q[e] * s_w[e]
-    y_ref[rows] = (x_q[rows] * s_x[rows]) @ w_e
-    dx_ref[rows] = (dy_q[rows] * s_dy[rows]) @ w_e.T
-    dw_ref[e] = x_q[rows].T @ g_q[rows] * float(c["s_folded"])
+  # the same float8 values, dequantized
+  dequantized = lambda q, s: q.astype(jnp.float32) * s
+  y_ref, dx_ref, _ = reference(dequantized(c["x_q"], c["s_x"]), dequantized(c["w_q"], c["s_w"]),
+                               dequantized(c["dy_q"], c["s_dy"]), sizes)
+  y_ref, dx_ref = y_ref[:used], dx_ref[:used]
+  dw_ref = reference(c["x_q"], c["w_q"], c["folded_q"], sizes)[2] * float(c["s_folded"])
   per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
   result = {"rows": used, "promoted": promoted, "out": relative_error(y, y_ref),
             "dx": relative_error(dx, dx_ref), "dw_worst_expert": max(per_expert),
@@ -163,11 +162,10 @@ def blockwise_case(c: dict) -> dict:
   dot = jax.jit(lambda a, sa, b, sb: fp8_blockwise_ragged_dot(a, sa, b, sb, groups))
   y = host(dot(x_q, s_x, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(s_w, 1, 2)))[:used]
   dx = host(dot(dy_q, s_dy, w_q, s_w))[:used]
-  x, w, dy = (host(dequantize_blocks(q, s, axes)) for q, s, axes in
-              ((x_q, s_x, (1,)), (w_q, s_w, (1, 2)), (dy_q, s_dy, (1,))))
-  y_ref, dx_ref = np.zeros_like(y), np.zeros_like(dx)
-  for e, rows in enumerate(expert_rows(sizes)):
-    y_ref[rows], dx_ref[rows] = x[rows] @ w[e], dy[rows] @ w[e].T
+  y_ref, dx_ref, _ = reference(*(dequantize_blocks(q, s, axes) for q, s, axes in
+                                  ((x_q, s_x, (1,)), (w_q, s_w, (1, 2)), (dy_q, s_dy, (1,)))),
+                                sizes)
+  y_ref, dx_ref = y_ref[:used], dx_ref[:used]
   result = {"rows": used, "out": relative_error(y, y_ref), "dx": relative_error(dx, dx_ref),
             "doubled_scale_error": doubled_scale_error(y, y_ref, sizes),
             "finite": bool(np.all(np.isfinite(y)) and np.all(np.isfinite(dx)))}
@@ -184,10 +182,7 @@ def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
   sizes, used = c["sizes"], int(c["sizes"].sum())
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), c["x"], c["w"])
   y, dx, dw = (host(a) for a in (y, *vjp(c["dy"])))
-  x, w, dy = host(c["x"]), host(c["w"]), host(c["dy"])
-  y_ref, dx_ref, dw_ref = np.zeros_like(y), np.zeros_like(dx), np.zeros_like(dw)
-  for e, rows in enumerate(expert_rows(sizes)):
-    y_ref[rows], dx_ref[rows], dw_ref[e] = x[rows] @ w[e], dy[rows] @ w[e].T, x[rows].T @ dy[rows]
+  y_ref, dx_ref, dw_ref = reference(c["x"], c["w"], c["dy"], sizes)
   per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
   result = {"rows": len(y), "out": relative_error(y[:used], y_ref[:used]),
             "dx": relative_error(dx[:used], dx_ref[:used]), "dw_worst_expert": max(per_expert),

@@ -433,3 +433,30 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
   assert [r.split("\t")[1] for r in rows[1:]] == ["1", "1", "2", "1"]
   assert benchmark.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
       "rest, forward")
+
+
+@pytest.mark.parametrize("sizes", [[0, 39, 39, 0, 360, 0], [7, 1, 2], [0, 0, 0]])
+def test_the_gpu_checks_reference_is_each_experts_own_float32_product(sizes):
+  """scripts/check_gpu.py's reference (on the device, each expert's rows in a padded block of
+  their own) is numpy's float32 products expert by expert, on the bf16 inputs: rows past the
+  groups and experts without rows exactly zero."""
+  check_gpu = scripts_module("check_gpu")
+  import jax
+  import jax.numpy as jnp
+  sizes = np.asarray(sizes)
+  rows, (experts, d, f) = int(sizes.sum()) + 13, (len(sizes), 24, 40)
+  keys = jax.random.split(jax.random.key(0), 3)
+  x, w, dy = (jax.random.normal(k, s, jnp.bfloat16)
+              for k, s in zip(keys, [(rows, d), (experts, d, f), (rows, f)]))
+  got = check_gpu.reference(x, w, dy, sizes)
+  x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
+  want = np.zeros((rows, f), np.float32), np.zeros((rows, d), np.float32), np.zeros_like(w)
+  ends = np.cumsum(sizes)
+  for e, (start, end) in enumerate(zip(ends - sizes, ends)):
+    want[0][start:end], want[1][start:end] = x[start:end] @ w[e], dy[start:end] @ w[e].T
+    want[2][e] = x[start:end].T @ dy[start:end]
+  for a, b in zip(got, want):
+    assert a.dtype == np.float32 and a.shape == b.shape
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  assert not got[0][ends[-1]:].any() and not got[1][ends[-1]:].any()
+  assert all(not got[2][e].any() for e in range(experts) if not sizes[e])
