@@ -71,6 +71,15 @@ def kernel_sources(hlo: str) -> dict[str, str]:
   return sources
 
 
+def kernel_outputs(hlo: str) -> dict[str, str]:
+  """XLA kernel name -> the shape of what it writes, layouts left out (`bf16[8,4096,28672]`, or a
+  tuple for a fusion of several outputs), from the compiled program's text."""
+  import re
+  found = re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\(", hlo, re.M)
+  return {m.group(1).replace(".", "_").replace("-", "_"): re.sub(r"\{[^}]*\}", "", m.group(2))
+          for m in found}
+
+
 def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
   """Device time per kernel kind, per kind and model scope (`scope_of`), and the 40 longest
   kernels (with the JAX op each came from, when `hlo` is given), from a profiler trace; every
@@ -99,16 +108,20 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
     kinds[kind_of[name]] += us
   sources = kernel_sources(hlo) if hlo else {}
   source = lambda name: sources.get(name.replace(".", "_"), "")
+  outputs = kernel_outputs(hlo) if hlo else {}
   scopes = collections.Counter()
   rows = []
   for name, us in by_name.most_common():
     kind = kind_of[name]
     scopes[f"{kind} | {scope_of(source(name))}"] += us
     rows.append(f"{us / 1e3:.3f}\t{launches[name]}\t{us / total:.5f}\t{kind}\t{name}\t"
-                f"{source(name)}")
-  # Every kernel, for reading the step offline (time and launches over the traced steps).
+                f"{outputs.get(name.replace('.', '_'), '')}\t{source(name)}")
+  # Every kernel, for reading the step offline (time and launches over the traced steps, what
+  # each writes); the compiled program beside it, for what each reads and computes.
   pathlib.Path(trace_dir, "kernels.tsv").write_text(
-      "ms\tlaunches\tshare\tkind\tkernel\tsource\n" + "\n".join(rows) + "\n")
+      "ms\tlaunches\tshare\tkind\tkernel\toutput\tsource\n" + "\n".join(rows) + "\n")
+  if hlo:
+    pathlib.Path(trace_dir, "step.hlo.txt").write_text(hlo)
   return {"device_ms": round(total / 1e3, 2),
           "share": {k: round(v / total, 4) for k, v in kinds.most_common()},
           # kind of kernel | the model's scope and pass it ran in, the largest first

@@ -394,16 +394,17 @@ def test_loss_compare_trains_each_variant_from_the_same_start(tmp_path):
 def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_path):
   """A profiled step's kernels (a trace's GPU events, summed by name) are split by kind, and
   by kind and the model scope and pass the compiled program's metadata names; every kernel is
-  written to kernels.tsv with its time and launches; events of the host's threads are not
-  counted."""
+  written to kernels.tsv with its time, launches and output shape, the program beside it; events
+  of the host's threads are not counted."""
   import gzip
   benchmark = scripts_module("benchmark")
   meta = lambda op: f'metadata={{op_name="{op}" source_file="/x/jmoe/moe/layer.py" source_line=9}}'
   hlo = "\n".join([
-      f"%loop_convert_fusion.3 = bf16[8] fusion(), {meta('jit(train_step)/jvp()/experts/cvt')}",
-      f"%input_reduce_fusion = f32[8] fusion(), "
+      f"  %loop_convert_fusion.3 = bf16[8,4]{{1,0}} fusion(f32[8,4]{{1,0}} %p), kind=kLoop, "
+      f"{meta('jit(train_step)/jvp()/experts/cvt')}",
+      f"  %input_reduce_fusion = (f32[8]{{0}}, f8e4m3fn[8,2]{{1,0}}) fusion(), "
       f"{meta('jit(train_step)/transpose(jvp())/eval_jaxpr/experts/reduce_max')}",
-      f"%loop_concatenate_fusion = f32[8] fusion(), "
+      f"  ROOT %loop_concatenate_fusion = f32[8] fusion(), "
       f"{meta('jit(train_step)/optimizer/convert_element_type')}"])
   gpu, host = 1, 2
   events = [{"ph": "M", "name": "process_name", "pid": gpu, "args": {"name": "/device:GPU:0"}},
@@ -426,7 +427,11 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
                                      "jit(train_step)/optimizer/convert_element_type @ "
                                      "moe/layer.py:9"]
   rows = (tmp_path / "kernels.tsv").read_text().splitlines()
-  assert rows[0].split("\t") == ["ms", "launches", "share", "kind", "kernel", "source"]
+  assert rows[0].split("\t") == ["ms", "launches", "share", "kind", "kernel", "output",
+                                  "source"]
+  assert [r.split("\t")[5] for r in rows[1:]] == [
+      "f32[8]", "(f32[8], f8e4m3fn[8,2])", "bf16[8,4]", ""]
+  assert (tmp_path / "step.hlo.txt").read_text() == hlo
   assert [r.split("\t")[:5:4] for r in rows[1:]] == [
       ["0.400", "loop_concatenate_fusion"], ["0.300", "input_reduce_fusion"],
       ["0.200", "loop_convert_fusion.3"], ["0.200", "nvjet_sm90_tss"]]
