@@ -100,40 +100,45 @@ def routing(kind: str, experts: int, rows: int, rng) -> np.ndarray:
   return rng.multinomial(rows - rows // 8, p / p.sum())
 
 
-def reference(x, w, dy, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def reference(x, w, dy, sizes, block: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """float32 y = x . w[e], dx = dy . w[e]^T and dw[e] = x_e^T . dy_e for each expert e's rows
   (`sizes`: rows per expert, in order; rows past the groups get zeros), as numpy arrays. Computed
-  on the default device in float32 (Precision.HIGHEST: no tensor-core rounding), each expert's
-  rows gathered into a zero-padded block of its own, so that every product is that expert's
-  alone: on the H200's host cores the same sums, expert by expert in numpy, took 80 s of a
-  Mixtral-sized case's 82 (2026-12-05)."""
+  on the default device in float32 (Precision.HIGHEST: no tensor-core rounding), `block` rows of
+  one expert at a time (the last block of each expert padded with zero rows), so that every
+  product is that expert's alone and only the outputs are held: on the H200's host cores the same
+  sums, expert by expert in numpy, took 80 s of a Mixtral-sized case's 82 (2026-12-05)."""
   sizes = np.asarray(sizes)
-  num_experts, rows = len(sizes), x.shape[0]
-  starts = np.cumsum(sizes) - sizes
-  # Block (e, c) holds row starts[e] + c of expert e; `rows` marks a padding slot.
-  slot_C = np.arange(max(int(sizes.max(initial=0)), 1))
-  source_EC = np.where(slot_C < sizes[:, None], starts[:, None] + slot_C, rows)
-  expert_X = np.full(rows, num_experts, np.int32)
-  expert_X[:int(sizes.sum())] = np.repeat(np.arange(num_experts), sizes)
-  rank_X = np.where(expert_X < num_experts, np.arange(rows) - np.append(starts, 0)[expert_X], 0)
+  ends = np.cumsum(sizes)
+  tiles = [(e, first, min(block, end - first)) for e, end in enumerate(ends)
+           for first in range(end - sizes[e], end, block)]
+  if not tiles:  # no expert has rows: every product is empty
+    return (np.zeros((x.shape[0], w.shape[2]), np.float32),
+            np.zeros(x.shape, np.float32), np.zeros(w.shape, np.float32))
+  expert_T, first_T, count_T = (np.asarray(column, np.int32) for column in zip(*tiles))
+  slot_B = np.arange(block)
+  # Tile t's slot b holds row first[t] + b; x.shape[0] marks a padding slot.
+  source_TB = np.where(slot_B < count_T[:, None], first_T[:, None] + slot_B, x.shape[0])
   return tuple(np.asarray(a) for a in jax.device_get(
-      _blocked_reference(x, w, dy, source_EC, expert_X, rank_X)))
+      _tiled_reference(x, w, dy, expert_T, source_TB.astype(np.int32))))
 
 
 @jax.jit
-def _blocked_reference(x, w, dy, source_EC, expert_X, rank_X):
+def _tiled_reference(x, w, dy, expert_T, source_TB):
   x, w, dy = (a.astype(jnp.float32) for a in (x, w, dy))
-  num_experts, rows = w.shape[0], x.shape[0]
-  einsum = functools.partial(jnp.einsum, precision=jax.lax.Precision.HIGHEST)
-  padding_EC1 = (source_EC == rows)[..., None]
-  x_ECD, dy_ECF = (jnp.where(padding_EC1, 0, a[jnp.minimum(source_EC, rows - 1)]) for a in (x, dy))
-  y_ECF = einsum("ecd,edf->ecf", x_ECD, w)
-  dx_ECD = einsum("ecf,edf->ecd", dy_ECF, w)
-  dw_EDF = einsum("ecd,ecf->edf", x_ECD, dy_ECF)
-  in_groups_X1 = (expert_X < num_experts)[:, None]
-  row_of = lambda a_EC_: jnp.where(in_groups_X1,
-                                   a_EC_[jnp.minimum(expert_X, num_experts - 1), rank_X], 0)
-  return row_of(y_ECF), row_of(dx_ECD), dw_EDF
+  rows = x.shape[0]
+  dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+
+  def tile(carry, t):
+    y, dx, dw = carry
+    e, source_B = expert_T[t], source_TB[t]
+    padding_B1 = (source_B == rows)[:, None]
+    x_B, dy_B = (jnp.where(padding_B1, 0, a[jnp.minimum(source_B, rows - 1)]) for a in (x, dy))
+    y = y.at[source_B].set(dot(x_B, w[e]), mode="drop")  # (padding slots: out of range)
+    dx = dx.at[source_B].set(dot(dy_B, w[e].T), mode="drop")
+    return (y, dx, dw.at[e].add(dot(x_B.T, dy_B))), None
+
+  zeros = (jnp.zeros(dy.shape), jnp.zeros(x.shape), jnp.zeros(w.shape))
+  return jax.lax.scan(tile, zeros, jnp.arange(len(expert_T)))[0]
 
 
 def case(shape: str, kind: str, rows: int, seed: int):

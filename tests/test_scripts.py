@@ -440,11 +440,13 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
       "rest, forward")
 
 
-@pytest.mark.parametrize("sizes", [[0, 39, 39, 0, 360, 0], [7, 1, 2], [0, 0, 0]])
-def test_the_gpu_checks_reference_is_each_experts_own_float32_product(sizes):
-  """scripts/check_gpu.py's reference (on the device, each expert's rows in a padded block of
-  their own) is numpy's float32 products expert by expert, on the bf16 inputs: rows past the
-  groups and experts without rows exactly zero."""
+@pytest.mark.parametrize("sizes, block", [([0, 39, 39, 0, 360, 0], 512),
+                                         ([0, 39, 39, 0, 360, 0], 16), ([7, 1, 2], 4),
+                                         ([0, 0, 0], 8)])
+def test_the_gpu_checks_reference_is_each_experts_own_float32_product(sizes, block):
+  """scripts/check_gpu.py's reference (on the device, `block` rows of one expert at a time) is
+  numpy's float32 products expert by expert, on the bf16 inputs, whether an expert's rows take
+  one block or several: rows past the groups and experts without rows exactly zero."""
   check_gpu = scripts_module("check_gpu")
   import jax
   import jax.numpy as jnp
@@ -453,7 +455,7 @@ def test_the_gpu_checks_reference_is_each_experts_own_float32_product(sizes):
   keys = jax.random.split(jax.random.key(0), 3)
   x, w, dy = (jax.random.normal(k, s, jnp.bfloat16)
               for k, s in zip(keys, [(rows, d), (experts, d, f), (rows, f)]))
-  got = check_gpu.reference(x, w, dy, sizes)
+  got = check_gpu.reference(x, w, dy, sizes, block)
   x, w, dy = (np.asarray(a, np.float32) for a in (x, w, dy))
   want = np.zeros((rows, f), np.float32), np.zeros((rows, d), np.float32), np.zeros_like(w)
   ends = np.cumsum(sizes)
