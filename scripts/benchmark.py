@@ -106,16 +106,16 @@ def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
     kind_of[name] = next((k for k, keys in KERNEL_KINDS if any(key in low for key in keys)),
                          "other")
     kinds[kind_of[name]] += us
-  sources = kernel_sources(hlo) if hlo else {}
-  source = lambda name: sources.get(name.replace(".", "_"), "")
-  outputs = kernel_outputs(hlo) if hlo else {}
+  sources, outputs = (kernel_sources(hlo), kernel_outputs(hlo)) if hlo else ({}, {})
+  key = lambda name: name.replace(".", "_").replace("-", "_")  # (as both tables name kernels)
+  source = lambda name: sources.get(key(name), "")
   scopes = collections.Counter()
   rows = []
   for name, us in by_name.most_common():
     kind = kind_of[name]
     scopes[f"{kind} | {scope_of(source(name))}"] += us
     rows.append(f"{us / 1e3:.3f}\t{launches[name]}\t{us / total:.5f}\t{kind}\t{name}\t"
-                f"{outputs.get(name.replace('.', '_'), '')}\t{source(name)}")
+                f"{outputs.get(key(name), '')}\t{source(name)}")
   # Every kernel, for reading the step offline (time and launches over the traced steps, what
   # each writes); the compiled program beside it, for what each reads and computes.
   pathlib.Path(trace_dir, "kernels.tsv").write_text(
