@@ -41,6 +41,7 @@ import datetime
 import json
 import logging
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -60,7 +61,6 @@ KERNEL_KINDS = (("attention", ("fmha", "cudnn", "flash", "attention")),
 def kernel_sources(hlo: str) -> dict[str, str]:
   """XLA kernel name (as a profile shows it, `loop_convert_fusion_5`) -> the JAX op and source
   line it came from, from the compiled program's metadata."""
-  import re
   sources = {}
   for match in re.finditer(r"%([\w.\-]+) = [^\n]*?metadata=\{([^}]*)\}", hlo):
     meta = dict(re.findall(r'(\w+)="?([^"\s]*)"?', match.group(2)))
@@ -74,10 +74,9 @@ def kernel_sources(hlo: str) -> dict[str, str]:
 def kernel_outputs(hlo: str) -> dict[str, str]:
   """XLA kernel name -> the shape of what it writes, layouts left out (`bf16[8,4096,28672]`, or a
   tuple for a fusion of several outputs), from the compiled program's text."""
-  import re
-  found = re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\([^=]*?\)|\S+) [\w\-]+\(", hlo, re.M)
-  return {m.group(1).replace(".", "_").replace("-", "_"): re.sub(r"\{[^}]*\}", "", m.group(2))
-          for m in found}
+  found = re.finditer(r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) [\w\-]+\(", hlo, re.M)
+  return {m.group(1).replace(".", "_").replace("-", "_"):
+          re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", m.group(2)) for m in found}
 
 
 def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
@@ -136,11 +135,14 @@ SCOPES = ("optimizer", "route", "dispatch", "experts", "overflow", "combine")
 
 def scope_of(op_name: str) -> str:
   """`jit(train_step)/transpose(jvp())/eval_jaxpr/experts/mul` -> `experts, backward`: the
-  innermost of SCOPES in a kernel's JAX op name, and the pass (forward, backward) it ran in."""
+  innermost of SCOPES in a kernel's JAX op name, and the pass (forward, backward) it ran in
+  (what remat recomputes runs in the backward pass and counts there)."""
   if not op_name:
     return "unknown"
   parts = op_name.split(" @ ")[0].split("/")
-  name = next((p for p in reversed(parts) if p in SCOPES), "rest")
+  # (a scope right under a transform is written inside it: `transpose(jvp(experts))`)
+  name = next((word for p in reversed(parts) for word in reversed(re.findall(r"\w+", p))
+               if word in SCOPES), "rest")
   if name == "optimizer":
     return name
   step = ("backward" if any(p.startswith("transpose(") for p in parts)

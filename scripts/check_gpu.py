@@ -105,8 +105,9 @@ def reference(x, w, dy, sizes, block: int = 512) -> tuple[np.ndarray, np.ndarray
   (`sizes`: rows per expert, in order; rows past the groups get zeros), as numpy arrays. Computed
   on the default device in float32 (Precision.HIGHEST: no tensor-core rounding), `block` rows of
   one expert at a time (the last block of each expert padded with zero rows), so that every
-  product is that expert's alone and only the outputs are held: on the H200's host cores the same
-  sums, expert by expert in numpy, took 80 s of a Mixtral-sized case's 82 (2026-12-05)."""
+  product is that expert's alone and no more than the inputs' float32 copies, the outputs and one
+  block are held: on the H200's host cores the same sums, expert by expert in numpy, took 80 s of
+  a Mixtral-sized case's 82 (2026-12-05)."""
   sizes = np.asarray(sizes)
   ends = np.cumsum(sizes)
   tiles = [(e, first, min(block, end - first)) for e, end in enumerate(ends)

@@ -9,8 +9,8 @@ jmoe quantizes them (x per row and w per expert in E4M3; dy per row in E5M2 for 
 gradient; for the weight gradient dy x (x's row scale) with one E5M2 scale), the kernels run, the
 scales are applied as jmoe's caller applies them, and each of y, dx and every expert's dw is
 compared with a float32 reference computed expert by expert (check_gpu.reference: on the
-device, at full float32 precision) from the same DEQUANTIZED values. So FP8's own rounding is not in the error; what is left is the kernel's one
-rounding of its float32 accumulator to the bf16 output (8 significant bits: half an ulp is 2^-9
+device, at full float32 precision) from the same DEQUANTIZED values. So FP8's own rounding is
+not in the error; what is left is the kernel's one rounding of its float32 accumulator to the bf16 output (8 significant bits: half an ulp is 2^-9
 to 2^-8 of a value; 1.66e-3 RMS relative, measured with stand-in kernels that round the same
 way, tests/test_fp8_mosaic.py) and float32 summation order (~1e-6). The case passes at
 FP8_TOLERANCE = 3e-3; a scale off by 2x on one expert's rows costs that expert 100% and the whole
@@ -176,9 +176,12 @@ def blockwise_case(c: dict) -> dict:
 
 def grouped_case(c: dict, weight_gradient: str = "bf16") -> dict:
   """moe.gemm=mosaic in FP8, through jmoe's own custom VJP, against float32 on the bf16 inputs;
-  the weight gradient in `weight_gradient` (precision.fp8_weight_gradient)."""
+  the weight gradient in `weight_gradient` (precision.fp8_weight_gradient), the row kernels'
+  sums promoted as precision.fp8_promote's default says."""
+  from jmoe.config import PrecisionConfig
   from jmoe.ops.grouped_gemm import grouped_gemm
-  gemm = jax.jit(grouped_gemm("mosaic", "e5m2", weight_gradient=weight_gradient))
+  gemm = jax.jit(grouped_gemm("mosaic", "e5m2", weight_gradient=weight_gradient,
+                              promote=PrecisionConfig().fp8_promote))
   sizes, used = c["sizes"], int(c["sizes"].sum())
   y, vjp = jax.vjp(lambda x, w: gemm(x, w, jnp.asarray(sizes)), c["x"], c["w"])
   y, dx, dw = (host(a) for a in (y, *vjp(c["dy"])))

@@ -438,6 +438,11 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
   assert [r.split("\t")[1] for r in rows[1:]] == ["1", "1", "2", "1"]
   assert benchmark.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
       "rest, forward")
+  assert benchmark.scope_of("jit(train_step)/transpose(jvp(experts))/mul") == "experts, backward"
+  # a tuple of six or more outputs carries XLA's index comments
+  six = ", ".join(["f32[8]{0}"] * 5 + ["/*index=5*/bf16[2,2]{1,0}"])
+  assert benchmark.kernel_outputs(f"  %input_add_fusion.7 = ({six}) fusion(f32[8]{{0}} %a)") == {
+      "input_add_fusion_7": "(" + ", ".join(["f32[8]"] * 5 + ["bf16[2,2]"]) + ")"}
 
 
 @pytest.mark.parametrize("sizes, block", [([0, 39, 39, 0, 360, 0], 512),
