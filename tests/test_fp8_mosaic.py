@@ -435,8 +435,8 @@ def test_auto_weight_gradient_goes_by_the_experts_mean_rows():
     gemm, activation, swiglu_limit, swiglu_alpha, expert_blocks = "ragged_dot", "swiglu", 0, 0, 0
 
   auto = ExpertCompute.from_config(Cfg, "e5m2", False, "auto")
-  assert auto.grouped is grouped_gemm("ragged_dot", "e5m2", False, "fp8", "never")
-  assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16", "never")
+  assert auto.grouped is grouped_gemm("ragged_dot", "e5m2", False, "fp8", "long")
+  assert auto.grouped_few_rows is grouped_gemm("ragged_dot", "e5m2", False, "bf16", "long")
   assert ExpertCompute.from_config(Cfg, "e5m2", False, "fp8").grouped_few_rows is None
   used = []
   gemm = lambda name: (lambda x, w, sizes, quantized=None: used.append(name) or x @ w[0])

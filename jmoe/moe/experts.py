@@ -88,7 +88,7 @@ class ExpertCompute:
 
   @classmethod
   def from_config(cls, cfg, fp8_grad_format: str | None = None, blockwise: bool = False,
-                  weight_gradient: str = "bf16", promote: str = "never") -> ExpertCompute:
+                  weight_gradient: str = "bf16", promote: str = "long") -> ExpertCompute:
     """The MoE config's; its GEMMs in FP8 (gradients in `fp8_grad_format`) when that is given,
     on blockwise scales with `blockwise`, the grouped weight gradient in `weight_gradient`
     (`auto`: by the rows per expert, `weight_gradient_for`), the kernels' sums promoted as

@@ -129,7 +129,7 @@ def check_backend(name: str) -> None:
 
 @functools.cache
 def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool = False,
-                 weight_gradient: str = "bf16", promote: str = "never") -> GroupedGemm:
+                 weight_gradient: str = "bf16", promote: str = "long") -> GroupedGemm:
   """The backend `name` (or `auto`'s choice); in FP8 (gradients in `fp8_grad_format`) when that
   is given and the backend has float8 kernels, the weight gradient in `weight_gradient` (bf16
   where the backend has a 16-bit contraction for it, else float8), the kernels' sums promoted
