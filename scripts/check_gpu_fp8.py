@@ -10,9 +10,10 @@ gradient; for the weight gradient dy x (x's row scale) with one E5M2 scale), the
 scales are applied as jmoe's caller applies them, and each of y, dx and every expert's dw is
 compared with a float32 reference computed expert by expert (check_gpu.reference: on the
 device, at full float32 precision) from the same DEQUANTIZED values. So FP8's own rounding is
-not in the error; what is left is the kernel's one rounding of its float32 accumulator to the bf16 output (8 significant bits: half an ulp is 2^-9
-to 2^-8 of a value; 1.66e-3 RMS relative, measured with stand-in kernels that round the same
-way, tests/test_fp8_mosaic.py) and float32 summation order (~1e-6). The case passes at
+not in the error; what is left is the kernel's one rounding of its float32 accumulator to the
+bf16 output (8 significant bits: half an ulp is 2^-9 to 2^-8 of a value; 1.66e-3 RMS relative,
+measured with stand-in kernels that round the same way, tests/test_fp8_mosaic.py) and float32
+summation order (~1e-6). The case passes at
 FP8_TOLERANCE = 3e-3; a scale off by 2x on one expert's rows costs that expert 100% and the whole
 output about 1/sqrt(E) of that (9% at 128 experts), rows taken from the wrong expert about 140%
 (each case reports what doubling the busiest expert's scale would give, and fails if the
@@ -96,14 +97,14 @@ def kernel_case(c: dict, promote_from_k: int | None = None) -> dict:
   """The three kernels on one case, scaled as the caller scales them, against the dequantized
   float32 reference; the row kernels' sums promoted to float32 every K step in the calls that
   contract over `promote_from_k` or more (None: none; PROMOTE_SETTINGS' values)."""
-  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot
+  from jmoe.ops.fp8_mosaic import fp8_aligned_contract, fp8_ragged_dot, promotes
   sizes = c["sizes"]
   groups = jnp.asarray(sizes)
   row_expert = np.repeat(np.arange(len(sizes)), sizes)
   used = int(sizes.sum())
   s_x, s_dy, s_w = host(c["s_x"])[:used], host(c["s_dy"])[:used], host(c["s_w"])[:, 0, 0]
-  promoted = [promote_from_k is not None and c[name].shape[1] >= promote_from_k
-              for name in ("x_q", "dy_q")]
+  # (as moe.gemm=mosaic decides: by each call's contraction, x_q's D and dy_q's F)
+  promoted = [promotes(c[name].shape[1], promote_from_k) for name in ("x_q", "dy_q")]
   y = jax.jit(lambda x, w: fp8_ragged_dot(x, jnp.swapaxes(w, 1, 2), groups,
                                           promote=promoted[0]))(c["x_q"], c["w_q"])
   dx = jax.jit(lambda dy, w: fp8_ragged_dot(dy, w, groups, promote=promoted[1]))(

@@ -51,6 +51,12 @@ PROMOTE_FROM_K = 8192
 PROMOTE_SETTINGS = {"never": None, "long": PROMOTE_FROM_K, "always": 0}  # -> promote_from_k
 
 
+def promotes(k: int, promote_from_k: int | None) -> bool:
+  """Whether a row-kernel call contracting over `k` promotes its sums (PROMOTE_SETTINGS' values;
+  None: never)."""
+  return promote_from_k is not None and k >= promote_from_k
+
+
 def fp8_tiles(n: int) -> Tiles:
   """Tiles for an FP8 kernel whose output is `n` wide (padded to a multiple of 64): 128 x 128
   blocks (128 x 64 when n is no multiple of 128) over 128-deep K steps, 4 in flight (4 x 32 KiB
@@ -187,7 +193,7 @@ def mosaic_fp8_kernels(rows_kernel=None, contract_kernel=None, contract16=None,
   handed w_q^T by `grouped_fp8`, gets w_q back (XLA cancels the two transposes); a weight
   gradient in bf16 runs the 16-bit Mosaic kernel (jmoe/ops/mosaic_gemm.py). The row kernels
   promote their sums for contractions of `promote_from_k` or more (None: never)."""
-  promote = lambda k: promote_from_k is not None and k >= promote_from_k
+  promote = functools.partial(promotes, promote_from_k=promote_from_k)
   return RaggedKernels(
       dot=lambda x, w_EKN, sizes: fp8_ragged_dot(x, jnp.swapaxes(w_EKN, 1, 2), sizes,
                                                  rows_kernel, promote=promote(x.shape[1])),
