@@ -221,3 +221,103 @@ def test_eight_gpu_bench_config_fits_h200s():
   assert estimate(cfg, layout, platform="gpu").total < 0.9 * 139 * 2**30
   everything_kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat="none"))
   assert estimate(everything_kept, layout, platform="gpu").total > 139 * 2**30
+
+
+# --- XLA's own placement of a compiled program's temporaries (jmoe/memory/compiled.py) ---
+
+_BUFFERS = """BufferAssignment:
+allocation 0: size 4096, page 0, parameter 0, shape |f32[1024]| at ShapeIndex {}:
+ value: <1 p.1 @0> (size=4096,offset=0): f32[1024]{0}
+allocation 1: size 9000, page 0, preallocated-temp:
+ value: <2 a.1 @0> (size=4000,offset=0): f32[1000]{0}
+ value: <3 b.2 @0> (size=3000,offset=4000): bf16[1500]{0}
+ value: <4 t.3{} @0> (size=16,offset=8984): (f32[1000]{0}, bf16[1500]{0})
+ value: <5 t.3{1} (phi) @0> (size=2000,offset=4000): f32[500]{0}
+ value: <6 c.4 @0> (size=5000,offset=4000): f32[1250]{0}
+ value: <7 z.5 @0> (size=0,offset=0): f32[0]{0}
+"""
+_RANGES = """HloLiveRange (max 6):
+  InstructionSequence:
+    0:p.1
+    1:a.1
+    2:b.2
+    3:t.3
+    4:c.4
+    5:z.5
+  BufferLiveRange:
+    p.1{}:0-6
+    a.1{}:1-4
+    b.2{}:2-3
+    t.3{}:3-3
+    t.3{1}:3-3
+    c.4{}:4-5
+    z.5{}:5-5
+"""
+
+
+def write_dump(directory, buffers=_BUFFERS, ranges=_RANGES):
+  directory.mkdir(exist_ok=True)
+  name = "module_0001.jit_step.sm_9.0a_gpu_after_optimizations"
+  (directory / f"{name}-buffer-assignment.txt").write_text(buffers)
+  (directory / f"{name}-live-range.txt").write_text(ranges)
+  return str(directory)
+
+
+def test_temporaries_from_a_dump_find_the_live_peak_and_the_gaps(tmp_path):
+  """The most bytes in use at once: a and c at position 4 (9,000 bytes, the whole allocation),
+  not the four values live at 3, of which the tuple's element shares b's bytes (7,016 in use,
+  not 9,016); the parameter and the empty value are not temporaries. Each buffer's op comes
+  from the program's text. With the allocation twice as large, half of it is gaps."""
+  from jmoe.memory.compiled import temporaries
+  hlo = '  %a.1 = f32[1000]{0} sine(%p.1), metadata={op_name="jit(step)/sin"}\n'
+  temp = temporaries(write_dump(tmp_path), hlo)
+  assert (temp.allocation_bytes, temp.live_peak_bytes) == (9000, 9000)
+  assert (temp.peak_position, temp.peak_instruction) == (4, "c.4")
+  assert [b.name for b in temp.live_at_peak] == ["c.4{}", "a.1{}"]
+  assert temp.live_at_peak[1].op == "jit(step)/sin" and temp.live_at_peak[0].op == ""
+  assert temp.unplaced_bytes == 0
+  assert temp.by_shape() == [("f32[1250]", 1, 5000), ("f32[1000]", 1, 4000)]
+  late = _RANGES.replace("c.4{}:4-5", "c.4{}:5-5")  # a gone when c starts: 7,016 at 3 is the most
+  temp = temporaries(write_dump(tmp_path / "late", ranges=late), hlo)
+  assert (temp.live_peak_bytes, temp.peak_instruction, temp.unplaced_bytes) == (7016, "t.3", 1984)
+  assert [b.name for b in temp.live_at_peak] == ["a.1{}", "b.2{}", "t.3{1}", "t.3{}"]
+
+
+def test_temporaries_refuse_a_dump_without_its_files_or_ranges(tmp_path):
+  from jmoe.config import ConfigError
+  from jmoe.memory.compiled import temporaries
+  with pytest.raises(ConfigError, match="no XLA dump file"):
+    temporaries(str(tmp_path))
+  short = _RANGES.replace("    c.4{}:4-5\n", "")
+  with pytest.raises(ConfigError, match="do not name 1 of the temporaries' buffers .*c.4"):
+    temporaries(write_dump(tmp_path / "short", ranges=short))
+
+
+def test_temporaries_of_a_program_compiled_here_add_up(tmp_path):
+  """A gradient compiled on this CPU with XLA's dump: the buffers listed at the live peak add
+  up to it at least (values may share bytes), it fits in the allocation XLA reports, and each
+  names the JAX operation behind it."""
+  from jmoe.memory.compiled import temporaries
+
+  def loss(x):
+    y = jnp.sin(x) @ x
+    return (jnp.cos(y) @ y @ x).sum()
+
+  compiled = jax.jit(jax.grad(loss)).lower(jnp.ones((256, 256))).compile(
+      {"xla_dump_to": str(tmp_path), "xla_dump_hlo_pass_re": "NONE"})
+  temp = temporaries(str(tmp_path), compiled.as_text())
+  assert sum(b.bytes for b in temp.live_at_peak) >= temp.live_peak_bytes >= 3 * 256 * 256 * 4
+  assert temp.live_peak_bytes <= temp.allocation_bytes
+  assert temp.allocation_bytes == compiled.memory_analysis().temp_size_in_bytes
+  assert all(b.op.startswith("jit(loss)/") for b in temp.live_at_peak)
+
+
+def test_compile_for_gpu_names_what_it_needs_when_the_cuda_plugin_is_missing():
+  import importlib.util
+  if any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13)):
+    pytest.skip("JAX's CUDA plugin is installed here")
+  done = subprocess.run([sys.executable, "scripts/compile_for_gpu.py", "--config",
+                         "configs/tiny_moe.py"], capture_output=True, text=True,
+                        cwd=pathlib.Path(__file__).parents[1])
+  assert done.returncode == 2
+  assert 'pip install "jax[cuda13]"' in done.stderr

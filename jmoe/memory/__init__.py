@@ -6,6 +6,7 @@ compiling) and the bytes its collectives send (from the compiled program).
   flat.py      the program flattened for the walk; value kinds from named scopes
   gpu.py       the stand-ins for GPU kernels when estimating a GPU run on another platform
   traffic.py   the collectives of a compiled step: bytes per device by kind (`communication`)
+  compiled.py  a compiled program's temporaries as XLA placed them, read from its dump
 They read a traced or compiled step; nothing in training depends on them. docs/MEMORY.md has its measured error.
 """
 
