@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
-from jmoe.ops.fp8_grouped import RaggedDot, _varying_like
+from jmoe.ops.fp8_grouped import RaggedDot, _varying_like, at_this_layer
 from jmoe.ops.rows import row_groups
 
 BLOCK = 128
@@ -59,11 +59,17 @@ def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3,
   axes = tuple(sorted(a % x.ndim for a in axes))
   tiled, tile_axes = _tiles(x, axes)
   within = tuple(a + 1 for a in tile_axes)
-  scale = (scale_for(amax(tiled, axis=within, keepdims=True), dtype) if scale is None
-           else jnp.expand_dims(scale, within))
+  scale = jnp.expand_dims(block_scales(x, axes, dtype) if scale is None else scale, within)
   x_q = quantize(tiled, scale, dtype).reshape(
       tuple(-(-x.shape[a] // BLOCK) * BLOCK if a in axes else x.shape[a] for a in range(x.ndim)))
   return x_q[tuple(slice(0, n) for n in x.shape)], jnp.squeeze(scale, within)
+
+
+def block_scales(x: jax.Array, axes: tuple[int, ...], dtype=E4M3) -> jax.Array:
+  """The tiles' scales `quantize_blocks` quantizes x with (from each tile's amax)."""
+  axes = tuple(sorted(a % x.ndim for a in axes))
+  tiled, tile_axes = _tiles(x, axes)
+  return scale_for(amax(tiled, axis=tuple(a + 1 for a in tile_axes)), dtype)
 
 
 def dequantize_blocks(x_q: jax.Array, scale: jax.Array, axes: tuple[int, ...],
@@ -109,7 +115,8 @@ def blockwise_grouped(gemm, grad_format: str = "e5m2", kernels: BlockwiseKernels
 
   def _fwd(x_XD, w_EDF, group_sizes_E, quantized):
     x_q, x_scale = quantize_row_blocks(x_XD) if quantized is None else quantized
-    w_q, w_scale = quantize_blocks(w_EDF, (1, 2))
+    w_scale, x_scale = at_this_layer(block_scales(w_EDF, (1, 2)), x_scale)
+    w_q, _ = quantize_blocks(w_EDF, (1, 2), scale=w_scale)
     if kernels is None:
       y = gemm(dequantize_blocks(x_q, x_scale, (1,), x_XD.dtype),
                dequantize_blocks(w_q, w_scale, (1, 2), x_XD.dtype), group_sizes_E)

@@ -71,7 +71,8 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
 
   def fwd(x_XD, w_EDF, group_sizes_E, quantized):
     x_q, scale_X1 = quantize_rows(x_XD) if quantized is None else quantized
-    scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
+    scale_E11, scale_X1 = at_this_layer(
+        scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3), scale_X1)
     w_q = quantize(w_EDF, scale_E11, E4M3)
     y_XF = kernels.dot(x_q, w_q, group_sizes_E)
     expert_X = row_groups(group_sizes_E, x_XD.shape[0])
@@ -87,8 +88,11 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
     # quantization (CSE) nor schedules it early: either way every layer's float8 copy would be
     # held from the forward pass to the backward (about 4.5 GiB on the Qwen3-30B-A3B bench, by
     # its shapes). Only the scale goes through the barrier: the weight itself may still be
-    # read as a cast of the parameter, fused into the quantization, rather than kept.
-    scale_E11, dy_XF = jax.lax.optimization_barrier((scale_E11, dy_XF))
+    # read as a cast of the parameter, fused into the quantization, rather than kept. The row
+    # scales likewise, for x dequantized below: untied, XLA computed it in the forward pass
+    # (in the kernel that gathers x_q's rows) and held every layer's bf16 copy until here
+    # (2 GiB on that bench, compiled for an H200).
+    (scale_E11, scale_X1), dy_XF = jax.lax.optimization_barrier(((scale_E11, scale_X1), dy_XF))
     w_q = quantize(w_EDF, scale_E11, E4M3)
     expert_X = row_groups(group_sizes_E, x_q.shape[0])
     in_groups_X1 = (expert_X < w_q.shape[0])[:, None]
@@ -119,6 +123,16 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
     return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized)
 
   return grouped
+
+
+def at_this_layer(weight_scale, rows_scale):
+  """(weight_scale, rows_scale) through one optimization barrier, so that what the forward pass
+  makes from the weight scale (the weights' float8 copy) waits for this call's rows. Without it
+  XLA makes the copies of several layers in one kernel (they read one stacked parameter) as
+  soon as the first of them is needed and holds the others until their layers run: on the
+  Qwen3-30B-A3B bench compiled for an H200, two or three layers' copies at a time, and 1.9 GiB
+  more of XLA's temporary memory than the bf16 step (scripts/compile_for_gpu.py)."""
+  return jax.lax.optimization_barrier((weight_scale, rows_scale))
 
 
 def quantize_rows(x_XD: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -154,8 +168,9 @@ def batched_fp8(grad_format: str = "e5m2", contract=None):
     return fwd(x_ECD, w_EDF)[0]
 
   def fwd(x_ECD, w_EDF):
-    scale_EC1 = scale_for(amax(x_ECD, axis=2, keepdims=True), E4M3)
-    scale_E11 = scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3)
+    scale_E11, scale_EC1 = at_this_layer(
+        scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3),
+        scale_for(amax(x_ECD, axis=2, keepdims=True), E4M3))
     x_q, w_q = quantize(x_ECD, scale_EC1, E4M3), quantize(w_EDF, scale_E11, E4M3)
     y_ECF = contract(x_q, jnp.swapaxes(w_q, 1, 2), 2, 2, x_ECD.dtype)
     y_ECF = (y_ECF.astype(jnp.float32) * scale_EC1 * scale_E11).astype(x_ECD.dtype)
