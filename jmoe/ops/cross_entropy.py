@@ -112,6 +112,10 @@ def _backward(chunks, splits, place, residuals, g):
   # parts at once: summed over one axis, then the other, it takes two reductions).
   parts_PDV = dw_PQDV.astype(w_DV.dtype).reshape(pb * pc, *w_DV.shape)
   dw_DV = jax.lax.reduce(parts_PDV, jnp.zeros((), w_DV.dtype), jax.lax.add, (0,))
+  # Made here, so that the float32 sums die here: left to XLA, the sum and the cast fused into
+  # the optimizer's update at the end of the step, and the float32 sums (a [D, V] float32 array
+  # per part) were held through the whole backward pass (scripts/compile_for_gpu.py).
+  dw_DV = jax.lax.optimization_barrier(dw_DV)
   return _unchunked(dh_nBcD), dw_DV, None, None
 
 
