@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     jax.default_backend = lambda: "gpu"
     gpu = TargetGpu(TARGETS[args.gpu]["name"])
     jax.devices = lambda *_: [gpu] * devices
+    # JAX's cuDNN attention checks the GPU's compute capability on the backend at hand (this
+    # host's CPU); it is told the target's (a private module: JAX has no hook for it).
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+    capability = lambda text: tuple(int(x) for x in text.split("."))
+    target = capability(gpu.compute_capability)
+    cudnn_attention.check_compute_capability = lambda c: target >= capability(c)
+    cudnn_attention.is_cuda_compute_capability_equal = lambda c: target == capability(c)
     from jmoe.memory.compiled import temporaries
     from jmoe.parallel import make_layout
     from jmoe.train.optimizer import make_optimizer
