@@ -111,3 +111,20 @@ def weight_copies_grown(gemm, more_layers: int, param_dtype=jnp.bfloat16, expert
     return jax.jit(jax.grad(loss)).lower(ws, x).compile().memory_analysis().temp_size_in_bytes
 
   return (temporaries(2 + more_layers) - temporaries(2)) / (experts * width * width)
+
+
+def barriers(fn, *args) -> list[list[tuple]]:
+  """(shape, dtype) of the operands of each optimization barrier in fn's program (nested calls
+  included): what a test of where XLA may move work checks."""
+  import jax.extend
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "optimization_barrier":
+        found.append([(tuple(v.aval.shape), v.aval.dtype) for v in eqn.invars])
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found

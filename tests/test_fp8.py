@@ -5,7 +5,6 @@ import json
 import shutil
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -20,7 +19,7 @@ from jmoe.ops.grouped_gemm import GEMM_BACKENDS, batched_gemm
 FP8_BACKENDS = {name: backend.fp8 for name, backend in GEMM_BACKENDS.items()
                 if backend.fp8 and backend.portable}
 from jmoe.train.loop import train
-from helpers import opaque, sixteen_bit, tiny_config, weight_copies_grown
+from helpers import barriers, opaque, sixteen_bit, tiny_config, weight_copies_grown
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -403,18 +402,8 @@ def test_tokens_quantized_before_dispatch_give_the_same_step(monkeypatch, recipe
 
 
 def barrier_operands(fn, *args) -> list[list[tuple]]:
-  """The operand shapes of each optimization barrier in fn's program (nested calls included)."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "optimization_barrier":
-        found.append(sorted(tuple(v.aval.shape) for v in eqn.invars))
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  """The operand shapes of each optimization barrier in fn's program, sorted."""
+  return [sorted(shape for shape, _ in b) for b in barriers(fn, *args)]
 
 
 @pytest.mark.parametrize("recipe", ["current", "blockwise"])

@@ -84,4 +84,9 @@ def summed_scatter(g: jax.Array, tokens: jax.Array, vocab: int, dtype, chunk: in
   keep_RNC = first_RNC & (ids_RNC >= 0) & (ids_RNC < vocab)
   targets_RNC = jnp.where(keep_RNC, ids_RNC, vocab)  # `vocab`: out of bounds, dropped
   # (indices and rows kept in their [rows, chunks, C] shape: flattened, XLA gathers them whole)
-  return jnp.zeros((vocab, d), dtype).at[targets_RNC].add(sums_RNCD.astype(dtype), mode="drop")
+  # The table-sized zeros the scatter adds into, made from a zero that exists only once g does:
+  # a plain constant let XLA make them at the start of the backward pass and hold them (the
+  # table's bytes) until the scatter at its end (scripts/compile_for_gpu.py).
+  zero, _ = jax.lax.optimization_barrier((jnp.zeros((), dtype), g))
+  return jnp.broadcast_to(zero, (vocab, d)).at[targets_RNC].add(sums_RNCD.astype(dtype),
+                                                                mode="drop")
