@@ -157,3 +157,25 @@ def test_without_expert_parallelism_both_dispatchers_are_one_program(expert):
 
   allgather, alltoall = program("allgather"), program("alltoall")
   assert "all_to_all" not in alltoall and alltoall == allgather
+
+
+def test_the_later_rounds_gradient_sums_start_and_end_in_their_own_layer():
+  """The float32 sums of the later rounds' gradients start from a zero tied to the incoming
+  gradient and are cast back inside the backward pass, each through an optimization barrier:
+  from a plain constant, XLA made every layer's zeros in one kernel early in the backward pass
+  and held them all (9 GiB of the Qwen3-30B-A3B EP-2 bench's 48, compiled for H200s:
+  scripts/compile_for_gpu.py). The sums are still the rounds' (sum over r of r x w . x)."""
+  from jmoe.moe.alltoall import late_rows
+  from helpers import barriers
+  x = jnp.ones((4, 8), jnp.bfloat16)
+  w = jnp.full((8, 8), 0.5, jnp.bfloat16)
+  one_round = lambda x, w, constant, r: (x @ w) * r.astype(x.dtype)
+  loss = lambda x, w: late_rows(one_round, x, w, jnp.zeros((), jnp.int32),
+                                jnp.asarray(3)).astype(jnp.float32).sum()
+  grad = jax.grad(loss, (0, 1))
+  found = barriers(grad, x, w)
+  assert [((), jnp.float32), ((4, 8), jnp.bfloat16)] in found
+  assert [((4, 8), jnp.bfloat16), ((8, 8), jnp.bfloat16)] in found
+  dx, dw = grad(x, w)
+  np.testing.assert_allclose(np.asarray(dw, np.float32), 6 * np.ones((8, 8)) * 4, rtol=1e-2)
+  np.testing.assert_allclose(np.asarray(dx, np.float32), 6 * np.full((4, 8), 4.0), rtol=1e-2)
