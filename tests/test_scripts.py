@@ -472,3 +472,11 @@ def test_the_gpu_checks_reference_is_each_experts_own_float32_product(sizes, blo
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   assert not got[0][ends[-1]:].any() and not got[1][ends[-1]:].any()
   assert all(not got[2][e].any() for e in range(experts) if not sizes[e])
+
+
+def test_the_gpu_checks_attention_cases_load_apart_from_the_gemm_checks():
+  """scripts/check_gpu.py's attention checks live in check_gpu_attention.py (run by check_gpu.py
+  on the GPU): it imports here, its quick cases are among its cases, and each makes a job."""
+  attention = scripts_module("check_gpu_attention")
+  assert set(attention.QUICK_ATTENTION) <= set(attention.ATTENTION_CASES)
+  assert len(attention.attention_jobs(attention.ATTENTION_CASES)) == len(attention.ATTENTION_CASES)
