@@ -397,7 +397,7 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
   written to kernels.tsv with its time, launches and output shape, the program beside it; events
   of the host's threads are not counted."""
   import gzip
-  benchmark = scripts_module("benchmark")
+  profile = scripts_module("profile_kernels")
   meta = lambda op: f'metadata={{op_name="{op}" source_file="/x/jmoe/moe/layer.py" source_line=9}}'
   hlo = "\n".join([
       f"  %loop_convert_fusion.3 = bf16[8,4]{{1,0}} fusion(f32[8,4]{{1,0}} %p), kind=kLoop, "
@@ -418,7 +418,7 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
   with gzip.open(trace / "host.trace.json.gz", "wt") as f:
     json.dump({"traceEvents": events}, f)
 
-  found = benchmark.kernel_breakdown(str(tmp_path), hlo)
+  found = profile.kernel_breakdown(str(tmp_path), hlo)
   assert found["device_ms"] == 1.1
   assert found["share"] == {"other": 0.8182, "gemm": 0.1818}
   assert found["by_scope"] == {"other | optimizer": 0.3636, "other | experts, backward": 0.2727,
@@ -436,12 +436,12 @@ def test_benchmark_profile_breakdown_names_each_kernels_kind_scope_and_pass(tmp_
       ["0.400", "loop_concatenate_fusion"], ["0.300", "input_reduce_fusion"],
       ["0.200", "loop_convert_fusion.3"], ["0.200", "nvjet_sm90_tss"]]
   assert [r.split("\t")[1] for r in rows[1:]] == ["1", "1", "2", "1"]
-  assert benchmark.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
+  assert profile.scope_of("jit(train_step)/jvp()/while/body/eval_jaxpr/dot_general") == (
       "rest, forward")
-  assert benchmark.scope_of("jit(train_step)/transpose(jvp(experts))/mul") == "experts, backward"
+  assert profile.scope_of("jit(train_step)/transpose(jvp(experts))/mul") == "experts, backward"
   # a tuple of six or more outputs carries XLA's index comments
   six = ", ".join(["f32[8]{0}"] * 5 + ["/*index=5*/bf16[2,2]{1,0}"])
-  assert benchmark.kernel_outputs(f"  %input_add_fusion.7 = ({six}) fusion(f32[8]{{0}} %a)") == {
+  assert profile.kernel_outputs(f"  %input_add_fusion.7 = ({six}) fusion(f32[8]{{0}} %a)") == {
       "input_add_fusion_7": "(" + ", ".join(["f32[8]"] * 5 + ["bf16[2,2]"]) + ")"}
 
 
