@@ -17,13 +17,18 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 
 def clamped_swiglu(limit: float, alpha: float) -> GatedActivation:
-  """GPT-OSS's gate: gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)."""
+  """GPT-OSS's gate: gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1).
+
+  Its backward pass computes the function again from gate and up, which are all it keeps
+  (`jax.checkpoint`): differentiated as written, each of its steps' values and the clamps' masks
+  were kept from the forward pass, seven more arrays of the hidden's size per layer (37 GiB a
+  GPU of the GPT-OSS-20B 8-GPU plan's step, compiled for H200s: scripts/compile_for_gpu.py)."""
 
   def clamped(gate, up):
     gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
     return gate * jax.nn.sigmoid(alpha * gate) * (up + 1)
 
-  return clamped
+  return jax.checkpoint(clamped)
 
 
 GATED_ACTIVATIONS: dict[str, Callable[[float, float], GatedActivation]] = {
