@@ -14,11 +14,12 @@ experts per GPU, all-to-all dispatch).
   published rows are "BF16"; the dtypes of the optimizer's state are an assumption);
 - `moe.router.force_balanced` (AutoModel's `fake_balanced_gate`); grad_clip 0, weight decay 0.
 No pipeline stages: the schedule question does not arise.
-Its step takes 108.9 GiB per GPU (XLA, compiled for 8 mocked H200s), more than the 75% of a GPU's
-memory JAX takes by default (about 105 GiB of an H200): run it with
-`XLA_PYTHON_CLIENT_MEM_FRACTION=0.92`, as scripts/launch_slurm.sh sets.
+Its step takes 76.99 GiB per GPU (XLA, compiled for 8 H200s by scripts/compile_for_gpu.py on
+2026-12-05; 108.9 before the clamped SwiGLU kept only its inputs for the backward pass), within
+the 75% of an H200's memory JAX takes by default (about 105 GiB), not within an 80 GB H100's.
 
   python scripts/estimate_memory.py --config configs/plans/gpt_oss_20b_8gpu.py --devices 8
+  python scripts/compile_for_gpu.py --config configs/plans/gpt_oss_20b_8gpu.py --devices 8
   python scripts/comm_volume.py --config configs/plans/gpt_oss_20b_8gpu.py --devices 8
 """
 
