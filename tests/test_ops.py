@@ -29,14 +29,15 @@ def test_linear_cross_entropy_is_the_loss_of_the_full_logits(chunks):
 
 def test_the_head_gradient_is_made_where_its_float32_sums_end():
   """The head's gradient leaves the loss's backward pass through an optimization barrier, in
-  the weight's dtype: left to XLA, its sum and cast fused into the optimizer's update at the
-  end of the step, and the [D, V] float32 sums were held through the whole backward pass (on
-  the Qwen3-30B-A3B bench compiled for an H200: 0.9 GiB more at its peak)."""
+  the weight's dtype, tied to h's gradient (which the rest of the backward pass needs first):
+  left to XLA, its sum and cast fused into the optimizer's update at the end of the step or ran
+  there, and the [D, V] float32 sums were held through the whole backward pass (on the
+  Qwen3-30B-A3B bench compiled for an H200: 0.9 GiB more at its peak)."""
   h_BSD = jnp.ones((2, 16, 8), jnp.bfloat16)
   w_DV = jnp.ones((8, 40), jnp.bfloat16)
   grad = lambda h, w: jax.grad(lambda h, w: linear_cross_entropy(
       h, w, jnp.zeros((2, 16), jnp.int32), chunks=4), (0, 1))(h, w)
-  assert [((8, 40), jnp.bfloat16)] in barriers(grad, h_BSD, w_DV)
+  assert [((2, 16, 8), jnp.bfloat16), ((8, 40), jnp.bfloat16)] in barriers(grad, h_BSD, w_DV)
 
 
 @pytest.mark.parametrize("splits", [(8, 1), (4, 2), (3, 1)])
@@ -309,3 +310,37 @@ def test_the_clamped_swiglu_keeps_only_gate_and_up_for_its_backward_pass():
   for a, b in zip(value_and_grads(ours), value_and_grads(written)):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
   assert bool(jnp.any(gate > 7)) and bool(jnp.any(jnp.abs(up) > 7))
+
+
+def test_rms_norm_keeps_only_its_input_and_scale_for_its_backward_pass():
+  """RMSNorm is recomputed in its backward pass from x and the scale, the only arrays it keeps
+  (differentiated as written it kept x and x normalized in float32: 8.4 GiB a GPU of the
+  GPT-OSS-20B 8-GPU plan, compiled for H200s); values and gradients bit for bit those of the
+  norm as written."""
+  import contextlib
+  import io
+  from jax.ad_checkpoint import print_saved_residuals
+  from jmoe.model.layers import rms_norm
+  keys = jax.random.split(jax.random.key(1), 3)
+  x = jax.random.normal(keys[0], (2, 8, 64), jnp.bfloat16)
+  scale = 1 + 0.1 * jax.random.normal(keys[1], (64,), jnp.float32)
+  dy = jax.random.normal(keys[2], (2, 8, 64), jnp.bfloat16)
+  ours = lambda x, scale: rms_norm(x, scale, 1e-6)
+
+  def written(x, scale):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
+    return (x32 * scale).astype(x.dtype)
+
+  kept = io.StringIO()
+  with contextlib.redirect_stdout(kept):
+    print_saved_residuals(ours, x, scale)
+  assert kept.getvalue().splitlines() == ["bf16[2,8,64] from the argument x",
+                                          "f32[64] from the argument scale"]
+
+  def value_and_grads(f):
+    out, vjp = jax.vjp(f, x, scale)
+    return (out, *vjp(dy))
+
+  for a, b in zip(value_and_grads(ours), value_and_grads(written)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

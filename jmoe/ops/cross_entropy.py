@@ -113,10 +113,11 @@ def _backward(chunks, splits, place, residuals, g):
   parts_PDV = dw_PQDV.astype(w_DV.dtype).reshape(pb * pc, *w_DV.shape)
   dw_DV = jax.lax.reduce(parts_PDV, jnp.zeros((), w_DV.dtype), jax.lax.add, (0,))
   # Made here, so that the float32 sums die here: left to XLA, the sum and the cast fused into
-  # the optimizer's update at the end of the step, and the float32 sums (a [D, V] float32 array
-  # per part) were held through the whole backward pass (scripts/compile_for_gpu.py).
-  dw_DV = jax.lax.optimization_barrier(dw_DV)
-  return _unchunked(dh_nBcD), dw_DV, None, None
+  # the optimizer's update at the end of the step, or ran there, and the float32 sums (a [D, V]
+  # float32 array per part) were held through the whole backward pass. Tied to h's gradient,
+  # which the rest of the backward pass needs first, they cannot wait (scripts/compile_for_gpu.py).
+  dh_BSD, dw_DV = jax.lax.optimization_barrier((_unchunked(dh_nBcD), dw_DV))
+  return dh_BSD, dw_DV, None, None
 
 
 _nll_sum.defvjp(_forward, _backward)
