@@ -2,6 +2,7 @@
 memory figures for it, and where its temporaries peak, before renting the GPU.
 
   python scripts/compile_for_gpu.py --config configs/NAME.py [--gpu h200|h100] [--devices N]
+      (N GPUs: one host's up to 8, or hosts of 8)
       [--hlo FILE] [--largest 20] [--config.group.key=value ...]
 
 Needs JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, no driver): JAX compiles
@@ -45,6 +46,7 @@ dnn_version_info {{ major: 9 minor: 19 }}
 runtime_version {{ major: 13 minor: 0 }}
 device_description_str: "{name}"
 """
+GPUS_PER_HOST = 8  # --devices beyond one host: hosts of 8 GPUs (HGX H100 / H200)
 TARGETS = {
     "h200": dict(name="NVIDIA H200", memory=150_754_820_096, bandwidth=4_800_000_000_000),
     "h100": dict(name="NVIDIA H100 80GB HBM3", memory=84_929_347_584,
@@ -101,8 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import numpy as np
     from jax.experimental import topologies
+    if devices > GPUS_PER_HOST and devices % GPUS_PER_HOST:
+      raise ConfigError(f"--devices {devices}: more than one host's {GPUS_PER_HOST} GPUs must be "
+                        f"whole hosts (a multiple of {GPUS_PER_HOST})")
+    hosts, per_host = ((devices // GPUS_PER_HOST, GPUS_PER_HOST) if devices > GPUS_PER_HOST
+                       else (1, devices))
     topology = topologies.get_topology_desc(platform="cuda", target_config=target_config(args.gpu),
-                                            topology=f"1x1x{devices}")
+                                            topology=f"1x{hosts}x{per_host}")
     jax.default_backend = lambda: "gpu"
     gpu = TargetGpu(TARGETS[args.gpu]["name"])
     jax.devices = lambda *_: [gpu] * devices
