@@ -213,14 +213,16 @@ def test_script_simulates_devices_it_lacks():
 
 def test_eight_gpu_bench_config_fits_h200s():
   """configs/bench/qwen3_30b_a3b_8gpu.py (the whole Qwen3-30B-A3B, FSDP 8 + EP 8) on 8 GPUs of
-  139 GiB, with room for the estimate's error; without recomputation it would not fit."""
+  139 GiB, with room for the estimate's error; without recomputation it would not fit with that
+  room (135.5 GiB by the estimate since RMSNorm keeps only its input for the backward pass, 3d948c4;
+  more than 139 before)."""
   from jmoe.config import load_config
   cfg = load_config(ROOT / "configs/bench/qwen3_30b_a3b_8gpu.py")
   layout = make_layout(cfg.parallel)
   assert layout.mesh.size == 8
   assert estimate(cfg, layout, platform="gpu").total < 0.9 * 139 * 2**30
   everything_kept = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat="none"))
-  assert estimate(everything_kept, layout, platform="gpu").total > 139 * 2**30
+  assert estimate(everything_kept, layout, platform="gpu").total > 0.9 * 139 * 2**30
 
 
 # --- XLA's own placement of a compiled program's temporaries (jmoe/memory/compiled.py) ---
