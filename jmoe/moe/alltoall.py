@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jmoe.moe.combine import unsort, weighted_sum
 from jmoe.moe.dispatch import Dispatcher, Rows, rows_by_local_expert
 from jmoe.ops.exchange import all_gather, all_to_all, reduce_scatter, varying_like
+from jmoe.ops.remat import zeros_with
 from jmoe.ops.rows import gather_copies, inverse_permutation, move_rows, row_groups
 
 Experts = Callable[[Rows, object], jax.Array]  # (rows, expert weights) -> y_XD
@@ -199,12 +200,11 @@ def late_rows(one_round: Callable, x_TD: jax.Array, weights, constant, rounds: j
 
   def run_bwd(residuals, dy):
     x_TD, weights, constant, rounds = residuals
-    # The float32 sums start from a zero tied to dy: from a plain constant, XLA made every
+    # The float32 sums start from zeros made once dy exists: as constants, XLA made every
     # layer's zeros in one kernel early in the backward pass and held them all until each
     # layer's rounds ran (9 GiB of the Qwen3-30B-A3B EP-2 bench's 48, compiled for H200s).
-    zero, _ = jax.lax.optimization_barrier((jnp.zeros((), jnp.float32), dy))
     as_f32 = lambda tree: jax.tree.map(
-        lambda a: varying_like(jnp.broadcast_to(zero, a.shape), a), tree)
+        lambda a: varying_like(zeros_with(a.shape, jnp.float32, dy), a), tree)
 
     def one(r, grads):
       pull = jax.vjp(lambda x, w: one_round(x, w, constant, r), x_TD, weights)[1]

@@ -25,6 +25,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jmoe.ops.remat import zeros_with
+
 CHUNK = 1024  # positions whose equal tokens are summed before the scatter: 2 C D flops a token
 
 
@@ -84,9 +86,7 @@ def summed_scatter(g: jax.Array, tokens: jax.Array, vocab: int, dtype, chunk: in
   keep_RNC = first_RNC & (ids_RNC >= 0) & (ids_RNC < vocab)
   targets_RNC = jnp.where(keep_RNC, ids_RNC, vocab)  # `vocab`: out of bounds, dropped
   # (indices and rows kept in their [rows, chunks, C] shape: flattened, XLA gathers them whole)
-  # The table-sized zeros the scatter adds into, made from a zero that exists only once g does:
-  # a plain constant let XLA make them at the start of the backward pass and hold them (the
-  # table's bytes) until the scatter at its end (scripts/compile_for_gpu.py).
-  zero, _ = jax.lax.optimization_barrier((jnp.zeros((), dtype), g))
-  return jnp.broadcast_to(zero, (vocab, d)).at[targets_RNC].add(sums_RNCD.astype(dtype),
-                                                                mode="drop")
+  # The table-sized zeros the scatter adds into, made once g exists (as constants, XLA made them
+  # at the start of the backward pass and held the table's bytes until the scatter at its end).
+  return zeros_with((vocab, d), dtype, g).at[targets_RNC].add(sums_RNCD.astype(dtype),
+                                                             mode="drop")

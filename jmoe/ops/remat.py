@@ -18,6 +18,7 @@ dispatch_factor x top_k x the tokens' rows with `alltoall`).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 _names = jax.checkpoint_policies.save_only_these_names
 REMAT_POLICIES = {
@@ -33,3 +34,11 @@ REMAT_POLICIES = {
         names_which_can_be_saved=[], names_which_can_be_offloaded=["attention_out", "moe_input"],
         offload_src="device", offload_dst="pinned_host"),
 }
+
+
+def zeros_with(shape: tuple[int, ...], dtype, value) -> jax.Array:
+  """Zeros of `shape`, made only once `value` exists: from a zero tied to it by an optimization
+  barrier. From a plain constant, XLA may make a backward pass's zeros (a scatter's operand, a
+  loop's starting sums) at its start and hold them to their use (scripts/compile_for_gpu.py)."""
+  zero, _ = jax.lax.optimization_barrier((jnp.zeros((), dtype), value))
+  return jnp.broadcast_to(zero, shape)
