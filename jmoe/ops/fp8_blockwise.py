@@ -59,7 +59,8 @@ def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3,
   axes = tuple(sorted(a % x.ndim for a in axes))
   tiled, tile_axes = _tiles(x, axes)
   within = tuple(a + 1 for a in tile_axes)
-  scale = jnp.expand_dims(block_scales(x, axes, dtype) if scale is None else scale, within)
+  scale = jnp.expand_dims(_tile_scales(tiled, tile_axes, dtype) if scale is None else scale,
+                          within)
   x_q = quantize(tiled, scale, dtype).reshape(
       tuple(-(-x.shape[a] // BLOCK) * BLOCK if a in axes else x.shape[a] for a in range(x.ndim)))
   return x_q[tuple(slice(0, n) for n in x.shape)], jnp.squeeze(scale, within)
@@ -68,7 +69,11 @@ def quantize_blocks(x: jax.Array, axes: tuple[int, ...], dtype=E4M3,
 def block_scales(x: jax.Array, axes: tuple[int, ...], dtype=E4M3) -> jax.Array:
   """The tiles' scales `quantize_blocks` quantizes x with (from each tile's amax)."""
   axes = tuple(sorted(a % x.ndim for a in axes))
-  tiled, tile_axes = _tiles(x, axes)
+  return _tile_scales(*_tiles(x, axes), dtype)
+
+
+def _tile_scales(tiled: jax.Array, tile_axes: tuple[int, ...], dtype) -> jax.Array:
+  """Each tile's scale from its amax, for x as `_tiles` splits it."""
   return scale_for(amax(tiled, axis=tuple(a + 1 for a in tile_axes)), dtype)
 
 
