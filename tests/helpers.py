@@ -128,3 +128,24 @@ def barriers(fn, *args) -> list[list[tuple]]:
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
   return found
+
+
+def recomputed_like(ours, written, args, dy) -> list[str]:
+  """What `ours` keeps for its backward pass (jax.ad_checkpoint.print_saved_residuals' lines),
+  after checking that its value and gradients at `args` (cotangent `dy`) are bit for bit those
+  of `written`, the function it recomputes."""
+  import contextlib
+  import io
+  import numpy as np
+  from jax.ad_checkpoint import print_saved_residuals
+
+  def value_and_grads(f):
+    out, vjp = jax.vjp(f, *args)
+    return (out, *vjp(dy))
+
+  for a, b in zip(value_and_grads(ours), value_and_grads(written), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  kept = io.StringIO()
+  with contextlib.redirect_stdout(kept):
+    print_saved_residuals(ours, *args)
+  return kept.getvalue().splitlines()
