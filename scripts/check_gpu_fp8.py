@@ -214,10 +214,86 @@ def transpose_case(c: dict) -> dict:
   return result
 
 
-def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
+def swiglu_case(c: dict) -> dict:
+  """jmoe/ops/fp8_swiglu.py's Triton kernels against the same arithmetic through XLA on the
+  GPU, on h of the shape's output width (gate and up halves) with NaN in the rows past the
+  groups: row amaxes within 1e-5 (the two exps may differ in their last bits), at most 1 in
+  10^4 float8 values of dh per row and of dh folded (and of its bf16 copy) different, rows past
+  the groups zero; and each path's time."""
+  from jmoe.ops.fp8 import E5M2, quantize, scale_for
+  from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, xla_swiglu_grad
+  from tune_gemm import median_seconds
+  used, (rows, width) = int(c["sizes"].sum()), c["dy"].shape
+  valid = jnp.arange(rows) < used
+  h = jnp.where(valid[:, None], c["dy"] * 3, jnp.nan).astype(jnp.bfloat16)
+  d = (c["x"][:, :1] * c["dy"][:, : width // 2] * 1e-3).astype(jnp.bfloat16)
+  made = (h, c["s_x"][:, 0] * 512, d, valid)
+
+  def ours(*made):
+    amax = swiglu_grad_amax(*made)
+    fold = (made[1], scale_for(jnp.max(amax * made[1]), E5M2))
+    return (amax, *swiglu_grad_quantized(*made, scale_for(amax, E5M2), E5M2, fold=fold,
+                                         with_bf16=True))
+
+  def xla(*made):
+    dh = xla_swiglu_grad(*made)
+    amax = jnp.max(jnp.abs(dh), axis=1)
+    fold_scale = scale_for(jnp.max(amax * made[1]), E5M2)
+    return (amax, quantize(dh, scale_for(amax, E5M2)[:, None], E5M2),
+            quantize(dh * made[1][:, None], fold_scale, E5M2), dh.astype(jnp.bfloat16))
+
+  got, want = (jax.jit(fn)(*made) for fn in (ours, xla))
+  result = {"rows": rows, "amax": relative_error(host(got[0]), host(want[0]))}
+  for name, a, b in zip(("dh_q", "folded_q", "dh_bf16"), got[1:], want[1:]):
+    result[f"{name}_differing"] = float(np.mean(host(a) != host(b)))
+  result["rows_past_groups_zero"] = bool(np.all(host(got[1])[used:] == 0))
+  result["ms"], result["xla_ms"] = (1e3 * median_seconds(jax.jit(fn), *made, reps=10)
+                                    for fn in (ours, xla))
+  result["ok"] = bool(result["amax"] < 1e-5 and result["rows_past_groups_zero"] and max(
+      result[f"{n}_differing"] for n in ("dh_q", "folded_q", "dh_bf16")) <= 1e-4)
+  return result
+
+
+def gated_case(c: dict, weight_gradient: str) -> dict:
+  """moe.gemm=mosaic's first projection and SwiGLU in one op, in FP8 (`GroupedGemm.swiglu`),
+  against float32 on the bf16 inputs: the forward within 8% (two FP8 errors multiplied),
+  dx and every expert's dw within FP8's gradient tolerance, zeros past the groups and for
+  experts with no rows."""
+  from jmoe.config import PrecisionConfig
+  from jmoe.ops.grouped_gemm import grouped_gemm
+  gated = jax.jit(grouped_gemm("mosaic", "e5m2", weight_gradient=weight_gradient,
+                               promote=PrecisionConfig().fp8_promote).swiglu)
+  sizes, used = c["sizes"], int(c["sizes"].sum())
+  width = c["w"].shape[2]
+  d = c["dy"][:, : width // 2]
+  y, vjp = jax.vjp(lambda x, w: gated(x, w, jnp.asarray(sizes)), c["x"], c["w"])
+  y, dx, dw = (host(a) for a in (y, *vjp(d)))
+  h = reference(c["x"], c["w"], jnp.zeros_like(c["dy"]), sizes)[0]
+  y_ref, silu_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, h[:, : width // 2],
+                            h[:, width // 2:])
+  dh = np.concatenate([host(a) for a in silu_vjp(jnp.asarray(host(d)))], axis=1)
+  _, dx_ref, dw_ref = reference(c["x"], c["w"], jnp.asarray(dh), sizes)
+  per_expert = [relative_error(dw[e], dw_ref[e]) for e in range(len(sizes)) if sizes[e]]
+  result = {"rows": len(y), "out": relative_error(y[:used], host(y_ref)[:used]),
+            "dx": relative_error(dx[:used], dx_ref[:used]), "dw_worst_expert": max(per_expert),
+            "rows_past_groups_zero": bool(np.all(y[used:] == 0) and np.all(dx[used:] == 0)),
+            "empty_experts_zero": bool(all(np.all(dw[e] == 0) for e in range(len(sizes))
+                                           if not sizes[e]))}
+  result["ok"] = bool(result["out"] <= 0.08 and max(result["dx"], result["dw_worst_expert"])
+                      <= E2E_GRAD and result["rows_past_groups_zero"]
+                      and result["empty_experts_zero"])
+  return result
+
+
+CHECKS = ("transpose", "kernels", "kernels_promoted", "blockwise", "grouped", "grouped_wfp8",
+          "swiglu", "gated", "gated_wfp8")
+
+
+def fp8_jobs(rows: int, shapes=FP8_SHAPES, checks=CHECKS) -> list:
   """Per (shape, routing): a transpose job, two kernel jobs (the row kernels as
   precision.fp8_promote's default, `long`, runs them: promoted from PROMOTE_FROM_K on; and every
-  call promoted, as `always`), a blockwise job and two end-to-end jobs."""
+  call promoted, as `always`), a blockwise job, two end-to-end jobs, the SwiGLU backward's
+  kernels and two end-to-end jobs of the first projection fused with SwiGLU."""
   def job(kind_of_check, shape, kind):
     check = f"fp8_{kind_of_check}/{shape}/{kind}"
 
@@ -231,12 +307,15 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES) -> list:
         return {"check": check, **kernel_case(c, PROMOTE_SETTINGS[promote])}
       if kind_of_check == "blockwise":
         return {"check": check, **blockwise_case(c)}
+      if kind_of_check == "swiglu":
+        return {"check": check, **swiglu_case(c)}
+      if kind_of_check.startswith("gated"):
+        return {"check": check, **gated_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}
       return {"check": check, **grouped_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}
     return named(run, check)
 
   return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in ("transpose", "kernels", "kernels_promoted", "blockwise", "grouped",
-                        "grouped_wfp8")]
+          for which in checks]
 
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
@@ -286,12 +365,13 @@ def main(argv=None) -> int:
   parser.add_argument("--rows", type=int, default=16384)
   parser.add_argument("--shapes", default=",".join(FP8_SHAPES))
   parser.add_argument("--workers", type=int, default=4)
+  parser.add_argument("--checks", default=",".join(CHECKS), help="which kinds of case to run")
   parser.add_argument("--bench", action="store_true", help="time the kernels after the checks")
   parser.add_argument("--bench-only", action="store_true", help="time the kernels, check nothing")
   args = parser.parse_args(argv)
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
-  results = [] if args.bench_only else run_jobs(fp8_jobs(args.rows, args.shapes.split(",")),
-                                                args.workers)
+  results = [] if args.bench_only else run_jobs(
+      fp8_jobs(args.rows, args.shapes.split(","), args.checks.split(",")), args.workers)
   if args.bench or args.bench_only:
     shapes = [s for s in args.shapes.split(",") if s != "odd"]
     for line in bench(args.rows, shapes):

@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jmoe.moe.dispatch import Rows
-from jmoe.ops.activations import GATED_ACTIVATIONS, GatedActivation
+from jmoe.ops.activations import GATED_ACTIVATIONS, GatedActivation, swiglu
 from jmoe.ops.fp8_grouped import weight_gradient_for
 from jmoe.ops.grouped_gemm import BatchedGemm, GroupedGemm, batched_gemm, grouped_gemm
 from jmoe.ops.rows import move_rows, row_groups, run_if, take_rows
@@ -140,8 +140,13 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
   num_rows = x_XD.shape[0]
   lora, low = weights.lora, adapter_gemm or gemm
-  h_X2F = gemm(x_XD, weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff), group_sizes_E,
-               quantized)
+  w_in_ED2F = weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff)
+  fused = getattr(gemm, "swiglu", None)  # a GroupedGemm's, not a bare GEMM function's
+  if fused is not None and activation is swiglu and lora is None and weights.b_in_E2F is None:
+    hidden_XF = checkpoint_name(fused(x_XD, w_in_ED2F, group_sizes_E, quantized),
+                                "expert_hidden")
+    return _down(hidden_XF, group_sizes_E, weights, gemm, low, num_rows)
+  h_X2F = gemm(x_XD, w_in_ED2F, group_sizes_E, quantized)
   if lora is not None:
     up_ER2F = lora.b_in_ER2F.reshape(num_experts, -1, 2 * d_ff) * lora.scale
     h_X2F = h_X2F + low(low(x_XD, lora.a_in_EDR, group_sizes_E), up_ER2F, group_sizes_E)
@@ -149,10 +154,17 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
   if weights.b_in_E2F is not None:
     h_X2F = h_X2F + _row_bias(weights.b_in_E2F, group_sizes_E, num_rows)
   hidden_XF = checkpoint_name(activation(h_X2F[:, 0], h_X2F[:, 1]), "expert_hidden")
+  return _down(hidden_XF, group_sizes_E, weights, gemm, low, num_rows)
+
+
+def _down(hidden_XF, group_sizes_E, weights: ExpertWeights, gemm: GroupedGemm,
+          adapter_gemm: GroupedGemm, num_rows: int) -> jax.Array:
+  """The down projection of `expert_ffn`, with its adapter and bias where the experts have them."""
   y_XD = gemm(hidden_XF, weights.w_out_EFD, group_sizes_E)
+  lora = weights.lora
   if lora is not None:
-    y_XD = y_XD + low(low(hidden_XF, lora.a_out_EFR, group_sizes_E),
-                      lora.b_out_ERD * lora.scale, group_sizes_E)
+    y_XD = y_XD + adapter_gemm(adapter_gemm(hidden_XF, lora.a_out_EFR, group_sizes_E),
+                               lora.b_out_ERD * lora.scale, group_sizes_E)
   if weights.b_out_ED is not None:
     y_XD = y_XD + _row_bias(weights.b_out_ED, group_sizes_E, num_rows)
   return y_XD

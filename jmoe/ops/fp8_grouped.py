@@ -14,7 +14,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jmoe.ops.activations import swiglu
 from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
+from jmoe.ops.fp8_swiglu import gate_and_up, swiglu_grad_amax, swiglu_grad_quantized
 from jmoe.ops.rows import row_groups, take_rows
 
 # precision.fp8_weight_gradient=auto takes the float8 contraction when a device's experts have at
@@ -70,39 +72,19 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
     return fwd(x_XD, w_EDF, group_sizes_E, quantized)[0]
 
   def fwd(x_XD, w_EDF, group_sizes_E, quantized):
-    x_q, scale_X1 = quantize_rows(x_XD) if quantized is None else quantized
-    scale_E11, scale_X1 = at_this_layer(
-        scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3), scale_X1)
-    w_q = quantize(w_EDF, scale_E11, E4M3)
-    y_XF = kernels.dot(x_q, w_q, group_sizes_E)
-    expert_X = row_groups(group_sizes_E, x_XD.shape[0])
-    y_XF = y_XF.astype(jnp.float32) * scale_X1 * take_rows(scale_E11[:, 0], expert_X)
-    # Rows past the groups are zeros (a kernel may leave them unwritten).
-    y_XF = jnp.where((expert_X < w_EDF.shape[0])[:, None], y_XF, 0)
+    y_XF, rows_X, x_q, scale_X1, scale_E11 = _forward(kernels, x_XD, w_EDF, group_sizes_E,
+                                                      quantized)
+    y_XF = jnp.where(rows_X.valid[:, None], y_XF.astype(jnp.float32) * rows_X.scale[:, None], 0)
     return y_XF.astype(x_XD.dtype), (x_q, scale_X1, w_EDF, scale_E11, group_sizes_E)
 
   def bwd(residuals, dy_XF):
     x_q, scale_X1, w_EDF, scale_E11, group_sizes_E = residuals
-    # The weight quantized again here, in the backward pass, by its scale tied to dy (which
-    # only the backward pass has), so that XLA neither merges it with the forward's identical
-    # quantization (CSE) nor schedules it early: either way every layer's float8 copy would be
-    # held from the forward pass to the backward (about 4.5 GiB on the Qwen3-30B-A3B bench, by
-    # its shapes). Only the scale goes through the barrier: the weight itself may still be
-    # read as a cast of the parameter, fused into the quantization, rather than kept. The row
-    # scales likewise, for x dequantized below: untied, XLA computed it in the forward pass
-    # (in the kernel that gathers x_q's rows) and held every layer's bf16 copy until here
-    # (2 GiB on that bench, compiled for an H200).
-    (scale_E11, scale_X1), dy_XF = jax.lax.optimization_barrier(((scale_E11, scale_X1), dy_XF))
-    w_q = quantize(w_EDF, scale_E11, E4M3)
-    expert_X = row_groups(group_sizes_E, x_q.shape[0])
-    in_groups_X1 = (expert_X < w_q.shape[0])[:, None]
-    dy_XF = jnp.where(in_groups_X1, dy_XF, 0)
+    (scale_E11, scale_X1), dy_XF = _in_backward(scale_E11, scale_X1, dy_XF)
+    rows_X = _Rows.of(group_sizes_E, w_EDF.shape[0], scale_E11, scale_X1)
+    dy_XF = jnp.where(rows_X.valid[:, None], dy_XF, 0)
     amax_dy_X1 = amax(dy_XF, axis=1, keepdims=True)
     scale_dy_X1 = scale_for(amax_dy_X1, grad_dtype)
-    dx_XD = kernels.dot(quantize(dy_XF, scale_dy_X1, grad_dtype), jnp.swapaxes(w_q, 1, 2),
-                        group_sizes_E)
-    dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], expert_X)
-    dx_XD = jnp.where(in_groups_X1, dx_XD, 0)
+    dy_q = quantize(dy_XF, scale_dy_X1, grad_dtype)
     if contract16 is not None:
       x_XD = (x_q.astype(jnp.float32) * scale_X1).astype(dy_XF.dtype)
       dw_EDF = contract16(x_XD, dy_XF, group_sizes_E).astype(jnp.float32)
@@ -114,8 +96,8 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
       dw_EDF = kernels.contract(x_q, quantize(folded_XF, scale_folded, grad_dtype),
                                 group_sizes_E)
       dw_EDF = dw_EDF.astype(jnp.float32) * scale_folded
-    dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
-    return dx_XD.astype(dy_XF.dtype), dw_EDF.astype(w_EDF.dtype), None, None
+    return _gradients(kernels, dy_q, scale_dy_X1, dw_EDF, w_EDF, scale_E11, rows_X,
+                      group_sizes_E, dy_XF.dtype)
 
   gemm.defvjp(fwd, bwd)
 
@@ -123,6 +105,111 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
     return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized)
 
   return grouped
+
+
+def grouped_fp8_swiglu(kernels: RaggedKernels, grad_format: str = "e5m2",
+                       weight_gradient: str = "fp8"):
+  """The experts' first projection and SwiGLU in one: (x_XD, w_ED2F, group_sizes_E, quantized)
+  -> silu(gate) * up [X, F], gate and up being the grouped GEMM's output's halves (w's first F
+  columns and its last F), in FP8 as `grouped_fp8` runs it.
+
+  What one custom VJP over both buys is the backward pass: d(gate, up) is made, measured per
+  row and quantized by jmoe/ops/fp8_swiglu.py's kernels from h as the kernel wrote it (kept
+  from the forward pass, as XLA kept it for the 16-bit SwiGLU) and the hidden's gradient,
+  without ever being written in bf16 (except for the 16-bit weight gradient, which reads it).
+  The forward pass is XLA's, as it was: SwiGLU fused with the scaling of h."""
+  grad_dtype = FORMATS[grad_format]
+  contract16 = kernels.contract16 if weight_gradient == "bf16" else None
+
+  @jax.custom_vjp
+  def gemm(x_XD, w_ED2F, group_sizes_E, quantized):
+    return fwd(x_XD, w_ED2F, group_sizes_E, quantized)[0]
+
+  def fwd(x_XD, w_ED2F, group_sizes_E, quantized):
+    h_X2F, rows_X, x_q, scale_X1, scale_E11 = _forward(kernels, x_XD, w_ED2F, group_sizes_E,
+                                                       quantized)
+    gate_XF, up_XF = gate_and_up(h_X2F, rows_X.scale, rows_X.valid)
+    hidden_XF = swiglu(gate_XF.astype(x_XD.dtype), up_XF.astype(x_XD.dtype))
+    return hidden_XF, (x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F)
+
+  def bwd(residuals, d_XF):
+    x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F = residuals
+    (scale_E11, scale_X1), d_XF = _in_backward(scale_E11, scale_X1, d_XF)
+    rows_X = _Rows.of(group_sizes_E, w_ED2F.shape[0], scale_E11, scale_X1)
+    made = (h_X2F, rows_X.scale, d_XF, rows_X.valid)
+    amax_dh_X = swiglu_grad_amax(*made)
+    scale_dh_X = scale_for(amax_dh_X, grad_dtype)
+    if contract16 is not None:
+      dh_q, _, dh_X2F = swiglu_grad_quantized(*made, scale_dh_X, grad_dtype, with_bf16=True)
+      x_XD = (x_q.astype(jnp.float32) * scale_X1).astype(d_XF.dtype)
+      dw_ED2F = contract16(x_XD, dh_X2F, group_sizes_E).astype(jnp.float32)
+    else:
+      scale_folded = scale_for(jnp.max(amax_dh_X * scale_X1[:, 0]), grad_dtype)  # as above
+      dh_q, folded_q, _ = swiglu_grad_quantized(*made, scale_dh_X, grad_dtype,
+                                                fold=(scale_X1[:, 0], scale_folded))
+      dw_ED2F = kernels.contract(x_q, folded_q, group_sizes_E).astype(jnp.float32)
+      dw_ED2F = dw_ED2F * scale_folded
+    return _gradients(kernels, dh_q, scale_dh_X[:, None], dw_ED2F, w_ED2F, scale_E11, rows_X,
+                      group_sizes_E, d_XF.dtype)
+
+  gemm.defvjp(fwd, bwd)
+
+  def gated(x_XD, w_ED2F, group_sizes_E, quantized=None):
+    return gemm(x_XD, _varying_like(w_ED2F, x_XD), group_sizes_E, quantized)
+
+  return gated
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Per row of an expert-sorted operand: its expert (E past the groups), whether it is in a
+  group, and the scale of the forward's output row (x's row scale times its expert's weight
+  scale)."""
+  expert: jax.Array
+  valid: jax.Array
+  scale: jax.Array
+
+  @classmethod
+  def of(cls, group_sizes_E, num_experts, scale_E11, scale_X1) -> _Rows:
+    expert_X = row_groups(group_sizes_E, scale_X1.shape[0])
+    return cls(expert_X, expert_X < num_experts,
+               scale_X1[:, 0] * take_rows(scale_E11[:, 0, 0], expert_X))
+
+
+def _forward(kernels, x_XD, w_EDF, group_sizes_E, quantized):
+  """The forward GEMM: (y as the kernel wrote it, _Rows with y's row scales, x_q, x's row
+  scales, w's expert scales)."""
+  x_q, scale_X1 = quantize_rows(x_XD) if quantized is None else quantized
+  scale_E11, scale_X1 = at_this_layer(
+      scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3), scale_X1)
+  y_XF = kernels.dot(x_q, quantize(w_EDF, scale_E11, E4M3), group_sizes_E)
+  return (y_XF, _Rows.of(group_sizes_E, w_EDF.shape[0], scale_E11, scale_X1), x_q, scale_X1,
+          scale_E11)
+
+
+def _in_backward(scale_E11, scale_X1, dy):
+  """The scales tied to dy, which only the backward pass has, by an optimization barrier, so
+  that XLA neither merges the backward's quantization of the weight with the forward's
+  identical one (CSE) nor schedules it early: either way every layer's float8 copy would be
+  held from the forward pass to the backward (about 4.5 GiB on the Qwen3-30B-A3B bench, by its
+  shapes). Only the scale goes through the barrier: the weight itself may still be read as a
+  cast of the parameter, fused into the quantization, rather than kept. The row scales
+  likewise, for x dequantized by the 16-bit weight gradient: untied, XLA computed it in the
+  forward pass (in the kernel that gathers x_q's rows) and held every layer's bf16 copy until
+  then (2 GiB on that bench, compiled for an H200)."""
+  return jax.lax.optimization_barrier(((scale_E11, scale_X1), dy))
+
+
+def _gradients(kernels, dy_q, scale_dy_X1, dw_EDF, w_EDF, scale_E11, rows_X, group_sizes_E,
+               dtype):
+  """(dx, dw, None, None) of a grouped FP8 GEMM from its quantized output gradient and its
+  weight gradient (float32): the input gradient through the weight quantized again here."""
+  w_q = quantize(w_EDF, scale_E11, E4M3)
+  dx_XD = kernels.dot(dy_q, jnp.swapaxes(w_q, 1, 2), group_sizes_E)
+  dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], rows_X.expert)
+  dx_XD = jnp.where(rows_X.valid[:, None], dx_XD, 0)
+  dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
+  return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None, None
 
 
 def at_this_layer(weight_scale, rows_scale):

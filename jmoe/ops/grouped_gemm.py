@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 from jmoe.errors import choice
 from jmoe.ops.fp8_blockwise import BlockwiseKernels, blockwise_grouped, quantize_row_blocks
-from jmoe.ops.fp8_grouped import RaggedKernels, batched_fp8, grouped_fp8, quantize_rows
+from jmoe.ops.fp8_grouped import (RaggedKernels, batched_fp8, grouped_fp8, grouped_fp8_swiglu,
+                                  quantize_rows)
 from jmoe.ops.fp8_mosaic import PROMOTE_SETTINGS, mosaic_blockwise_kernels, mosaic_fp8_kernels
 from jmoe.ops.mosaic_gemm import mosaic_grouped_gemm, on_hopper
 from jmoe.ops.rows import members
@@ -50,6 +51,10 @@ class GroupedGemm:
   # In FP8: how it quantizes its input's rows, x_XD -> `quantized` (float8 rows and their
   # scales), so that a caller may quantize the rows before gathering them and hand them over.
   quantize_rows: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
+  # In FP8: the first projection and SwiGLU as one op, (x_XD, w_ED2F, group_sizes_E, quantized)
+  # -> silu(gate) * up [X, F], whose backward pass quantizes d(gate, up) as it makes it
+  # (`grouped_fp8_swiglu`); None where the projection and the activation run apart.
+  swiglu: Callable[..., jax.Array] | None = None
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
@@ -153,8 +158,10 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
   promote_from_k = PROMOTE_SETTINGS[promote]
   if promote_from_k is not None and backend.fp8_promoted is not None:
     kernels = backend.fp8_promoted(promote_from_k)
-  return dataclasses.replace(backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient),
-                             quantize_rows=quantize_rows)
+  return dataclasses.replace(
+      backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient),
+      quantize_rows=quantize_rows,
+      swiglu=grouped_fp8_swiglu(kernels, fp8_grad_format, weight_gradient))
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF

@@ -1,0 +1,200 @@
+"""SwiGLU's backward pass fused with the FP8 quantization of what it produces.
+
+In FP8 the experts' gate and up projection takes the gradient of its output, dh = d(gate, up)
+[X, 2F], quantized with one scale per row (jmoe/ops/fp8_grouped.py). Through XLA that was three
+passes over dh: SwiGLU's backward writing it in bf16, a row-amax reduction reading it, and the
+quantization reading it again to write the float8 operands (on Mixtral-8x7B's bench, one H100:
+2.9 ms a layer for about 1 ms of bytes). Here two Pallas Triton kernels compute dh, each time
+they need it, from what it is made of: the projection's output h as its kernel wrote it with
+each row's scale, and the gradient of SwiGLU's output:
+
+  swiglu_grad_amax(h_X2F, scale_X, d_XF, valid_X)       [X] each row's largest |dh|
+  swiglu_grad_quantized(..., q_scale_X, dtype, ...)     dh / q_scale per row in `dtype`; and, as
+      asked, dh * fold_X[row] / fold_scale in `dtype` (the float8 weight gradient's operand, the
+      rows' scales folded in) or dh in bf16 (the 16-bit weight gradient's)
+
+Row x's gate and up are bf16(h[x, :F] * scale[x]) and bf16(h[x, F:] * scale[x]) where valid[x],
+else zeros (a kernel may leave rows past the groups unwritten: they are never read as numbers);
+dh is measured and quantized in float32, one rounding fewer than the bf16 dh it replaces. Off the GPU the same arithmetic runs through XLA (`xla_swiglu_grad`), which the kernels are
+held to bit for bit (tests/test_fp8_swiglu.py, in Pallas' interpreter; scripts/check_gpu_fp8.py
+on the GPU).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jmoe.ops.fp8 import quantize
+
+BLOCK_ROWS = 8
+# Triton addresses an operand with 32-bit signed offsets (jmoe/ops/fp8_transpose.py): larger
+# operands take the XLA path.
+MAX_ELEMENTS = 2**31 - 1
+
+
+def swiglu_grad(g, u, d):
+  """(d gate, d up) of silu(g) * u for the output gradient d, in float32."""
+  g, u, d = (v.astype(jnp.float32) for v in (g, u, d))
+  sig = 1.0 / (1.0 + jnp.exp(-g))
+  dg = d * u * sig * (1.0 + g * (1.0 - sig))
+  du = d * g * sig
+  return dg, du
+
+
+def round_to_bf16(v: jax.Array) -> jax.Array:
+  """Finite float32 values rounded to the nearest bf16 (ties to even), kept in float32. Written
+  on the bits because XLA may drop a float32 -> bf16 -> float32 round trip inside a fusion
+  (`xla_allow_excess_precision`), which would make the kernels' and XLA's values differ."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+  bits = bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))
+  return jax.lax.bitcast_convert_type(bits & jnp.uint32(0xFFFF0000), jnp.float32)
+
+
+def scaled_rows(h, scale_X, valid_X):
+  """h times each row's scale, rounded to bf16 (as float32), zeros where not valid."""
+  v = round_to_bf16(h.astype(jnp.float32) * scale_X[:, None])
+  return jnp.where(valid_X[:, None], v, 0.0)
+
+
+def gate_and_up(h_X2F: jax.Array, scale_X: jax.Array, valid_X: jax.Array):
+  """(gate, up) [X, F], bf16 values as float32: h's halves times each row's scale, zeros where
+  not valid."""
+  f = h_X2F.shape[1] // 2
+  h_X2F = scaled_rows(h_X2F, scale_X, valid_X)
+  return h_X2F[:, :f], h_X2F[:, f:]
+
+
+def xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X) -> jax.Array:
+  """dh [X, 2F] in float32 through XLA: the kernels' reference and, off the GPU,
+  their stand-in."""
+  g, u = gate_and_up(h_X2F, scale_X, valid_X)
+  dg, du = swiglu_grad(g, u, jnp.where(valid_X[:, None], d_XF, 0))
+  return jnp.concatenate([dg, du], axis=1)
+
+
+def swiglu_grad_amax(h_X2F, scale_X, d_XF, valid_X, *, interpret: bool | None = None):
+  """[X] float32: each row's largest |dh| (zero for rows not valid)."""
+  if not _use_kernel(h_X2F, interpret):
+    return jnp.max(jnp.abs(xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X)), axis=1)
+  partial_XC = _call(h_X2F, scale_X, d_XF, valid_X, mode="amax", interpret=interpret)[0]
+  return jnp.max(partial_XC, axis=1)
+
+
+def swiglu_grad_quantized(h_X2F, scale_X, d_XF, valid_X, q_scale_X, dtype, fold=None,
+                          with_bf16: bool = False, *, interpret: bool | None = None):
+  """(dh_q, folded_q, dh): dh quantized per row [X, 2F] in `dtype`; with `fold` = (fold_X,
+  fold_scale), dh * fold_X[row] quantized by the one scale fold_scale, else None; with
+  `with_bf16`, dh in bf16, else None. Rows not valid are zeros."""
+  if not _use_kernel(h_X2F, interpret):
+    dh = xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X)
+    dh_q = quantize(dh, q_scale_X[:, None], dtype)
+    folded_q = None if fold is None else quantize(dh * fold[0][:, None], fold[1], dtype)
+    return dh_q, folded_q, dh.astype(jnp.bfloat16) if with_bf16 else None
+  outs = _call(h_X2F, scale_X, d_XF, valid_X, mode="write", q_scale_X=q_scale_X, dtype=dtype,
+               fold=fold, with_bf16=with_bf16, interpret=interpret)
+  outs = list(outs)
+  dh_q = outs.pop(0)
+  folded_q = outs.pop(0) if fold is not None else None
+  return dh_q, folded_q, outs.pop(0) if with_bf16 else None
+
+
+def _use_kernel(h_X2F, interpret) -> bool:
+  if h_X2F.size > MAX_ELEMENTS:
+    return False
+  return bool(interpret) or (interpret is None and jax.default_backend() == "gpu")
+
+
+def block_cols(f: int) -> int:
+  """Columns of one program's tile: 512, or 256 where F is a multiple of 256 and not of 512
+  (Qwen3-30B-A3B's 768: no masked quarter); any F works, the last tile masked."""
+  return 256 if f % 512 and not f % 256 else 512
+
+
+def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fold=None,
+          with_bf16=False, interpret=None):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+
+  rows, f = d_XF.shape
+  br, bc = BLOCK_ROWS, block_cols(f)
+  grid = (pl.cdiv(rows, br), pl.cdiv(f, bc))
+  limit = None if dtype is None else float(jnp.finfo(dtype).max)
+
+  def kernel(*refs):
+    h_ref, s_ref, d_ref, v_ref = refs[:4]
+    i, j = pl.program_id(0), pl.program_id(1)
+    r_B = i * br + jnp.arange(br)
+    c_C = j * bc + jnp.arange(bc)
+    in_r_B = r_B < rows
+    mask = in_r_B[:, None] & (c_C < f)[None, :]
+    r, c = pl.ds(i * br, br), pl.ds(j * bc, bc)
+    scale_B = plgpu.load(s_ref.at[r], mask=in_r_B, other=0.0)
+    valid_B = plgpu.load(v_ref.at[r], mask=in_r_B, other=0) != 0
+    load = lambda ref, cols: plgpu.load(ref.at[r, cols], mask=mask, other=0.0)
+
+    g = scaled_rows(load(h_ref, c), scale_B, valid_B)  # as `gate_and_up`
+    u = scaled_rows(load(h_ref, pl.ds(f + j * bc, bc)), scale_B, valid_B)
+    d = jnp.where(valid_B[:, None], load(d_ref, c).astype(jnp.float32), 0.0)
+    dg, du = swiglu_grad(g, u, d)
+    outs = refs[4:]
+    if mode == "amax":
+      top_B = jnp.max(jnp.maximum(jnp.abs(dg), jnp.abs(du)), axis=1)
+      plgpu.store(outs[0].at[r, pl.ds(j, 1)], top_B[:, None], mask=in_r_B[:, None])
+      return
+    q_ref, *outs = outs[1:]  # refs[4] is q_scale
+    q_scale_B = plgpu.load(refs[4].at[r], mask=in_r_B, other=1.0)
+    fold_B = None
+    if fold is not None:
+      fold_ref, fold_scale_ref, *rest = outs
+      fold_B = plgpu.load(fold_ref.at[r], mask=in_r_B, other=0.0)
+      fold_scale = plgpu.load(fold_scale_ref.at[pl.ds(0, 1)])
+      folded_ref, *outs = rest
+    for cols, v in ((c, dg), (pl.ds(f + j * bc, bc), du)):
+      plgpu.store(q_ref.at[r, cols], _quantize(v, q_scale_B[:, None], limit, dtype), mask=mask)
+      if fold_B is not None:
+        plgpu.store(folded_ref.at[r, cols],
+                    _quantize(v * fold_B[:, None], fold_scale[None, :], limit, dtype), mask=mask)
+      if with_bf16:
+        plgpu.store(outs[0].at[r, cols], v.astype(jnp.bfloat16), mask=mask)
+
+  inputs = [h_X2F, scale_X.astype(jnp.float32), d_XF, valid_X.astype(jnp.int32)]
+  if mode == "amax":
+    out_shape = [jax.ShapeDtypeStruct((rows, grid[1]), jnp.float32)]
+  else:
+    inputs.append(q_scale_X.astype(jnp.float32))
+    out_shape = [jax.ShapeDtypeStruct((rows, 2 * f), dtype)]
+    if fold is not None:
+      inputs += [fold[0].astype(jnp.float32), jnp.reshape(fold[1], (1,)).astype(jnp.float32)]
+      out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), dtype))
+    if with_bf16:
+      out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), jnp.bfloat16))
+  # The inputs come before the outputs in the kernel's refs; `kernel` above reads them in the
+  # order: h, scale, d, valid, [q_scale, [fold, fold_scale]], outputs.
+  call = pl.pallas_call(
+      _reorder(kernel, len(inputs), mode, fold is not None), out_shape=out_shape, grid=grid,
+      compiler_params=plgpu.CompilerParams(num_warps=4),
+      interpret=bool(interpret),
+      name=f"jmoe_swiglu_grad_{mode}")
+  return call(*inputs)
+
+
+def _reorder(kernel, num_inputs, mode, folded):
+  """`kernel` taking (h, scale, d, valid, [q_scale], q_out, [fold, fold_scale, folded_out],
+  [bf16_out]) from pallas_call's (inputs..., outputs...)."""
+  if mode == "amax":
+    return kernel
+
+  def reordered(*refs):
+    ins, outs = refs[:num_inputs], list(refs[num_inputs:])
+    head = list(ins[:5]) + [outs.pop(0)]
+    if folded:
+      head += [ins[5], ins[6], outs.pop(0)]
+    return kernel(*head, *outs)
+
+  return reordered
+
+
+def _quantize(v, scale, limit, dtype):
+  """As jmoe.ops.fp8.quantize: v / scale, saturated, in `dtype`."""
+  return jnp.clip(v / scale, -limit, limit).astype(dtype)
