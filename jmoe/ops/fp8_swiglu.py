@@ -91,9 +91,8 @@ def swiglu_grad_quantized(h_X2F, scale_X, d_XF, valid_X, q_scale_X, dtype, fold=
     dh_q = quantize(dh, q_scale_X[:, None], dtype)
     folded_q = None if fold is None else quantize(dh * fold[0][:, None], fold[1], dtype)
     return dh_q, folded_q, dh.astype(jnp.bfloat16) if with_bf16 else None
-  outs = _call(h_X2F, scale_X, d_XF, valid_X, mode="write", q_scale_X=q_scale_X, dtype=dtype,
-               fold=fold, with_bf16=with_bf16, interpret=interpret)
-  outs = list(outs)
+  outs = list(_call(h_X2F, scale_X, d_XF, valid_X, mode="write", q_scale_X=q_scale_X,
+                    dtype=dtype, fold=fold, with_bf16=with_bf16, interpret=interpret))
   dh_q = outs.pop(0)
   folded_q = outs.pop(0) if fold is not None else None
   return dh_q, folded_q, outs.pop(0) if with_bf16 else None
@@ -113,51 +112,15 @@ def block_cols(f: int) -> int:
 
 def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fold=None,
           with_bf16=False, interpret=None):
+  """The `amax` or `write` kernel over tiles of BLOCK_ROWS rows x `block_cols(F)` columns of
+  gate and of up. Inputs: h, scale, d, valid, and for `write` q_scale [, fold, fold_scale];
+  outputs: the partial amaxes [X, column tiles], or dh_q [, folded_q] [, dh in bf16]."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
   rows, f = d_XF.shape
   br, bc = BLOCK_ROWS, block_cols(f)
   grid = (pl.cdiv(rows, br), pl.cdiv(f, bc))
-  limit = None if dtype is None else float(jnp.finfo(dtype).max)
-
-  def kernel(*refs):
-    h_ref, s_ref, d_ref, v_ref = refs[:4]
-    i, j = pl.program_id(0), pl.program_id(1)
-    r_B = i * br + jnp.arange(br)
-    c_C = j * bc + jnp.arange(bc)
-    in_r_B = r_B < rows
-    mask = in_r_B[:, None] & (c_C < f)[None, :]
-    r, c = pl.ds(i * br, br), pl.ds(j * bc, bc)
-    scale_B = plgpu.load(s_ref.at[r], mask=in_r_B, other=0.0)
-    valid_B = plgpu.load(v_ref.at[r], mask=in_r_B, other=0) != 0
-    load = lambda ref, cols: plgpu.load(ref.at[r, cols], mask=mask, other=0.0)
-
-    g = scaled_rows(load(h_ref, c), scale_B, valid_B)  # as `gate_and_up`
-    u = scaled_rows(load(h_ref, pl.ds(f + j * bc, bc)), scale_B, valid_B)
-    d = jnp.where(valid_B[:, None], load(d_ref, c).astype(jnp.float32), 0.0)
-    dg, du = swiglu_grad(g, u, d)
-    outs = refs[4:]
-    if mode == "amax":
-      top_B = jnp.max(jnp.maximum(jnp.abs(dg), jnp.abs(du)), axis=1)
-      plgpu.store(outs[0].at[r, pl.ds(j, 1)], top_B[:, None], mask=in_r_B[:, None])
-      return
-    q_ref, *outs = outs[1:]  # refs[4] is q_scale
-    q_scale_B = plgpu.load(refs[4].at[r], mask=in_r_B, other=1.0)
-    fold_B = None
-    if fold is not None:
-      fold_ref, fold_scale_ref, *rest = outs
-      fold_B = plgpu.load(fold_ref.at[r], mask=in_r_B, other=0.0)
-      fold_scale = plgpu.load(fold_scale_ref.at[pl.ds(0, 1)])
-      folded_ref, *outs = rest
-    for cols, v in ((c, dg), (pl.ds(f + j * bc, bc), du)):
-      plgpu.store(q_ref.at[r, cols], _quantize(v, q_scale_B[:, None], limit, dtype), mask=mask)
-      if fold_B is not None:
-        plgpu.store(folded_ref.at[r, cols],
-                    _quantize(v * fold_B[:, None], fold_scale[None, :], limit, dtype), mask=mask)
-      if with_bf16:
-        plgpu.store(outs[0].at[r, cols], v.astype(jnp.bfloat16), mask=mask)
-
   inputs = [h_X2F, scale_X.astype(jnp.float32), d_XF, valid_X.astype(jnp.int32)]
   if mode == "amax":
     out_shape = [jax.ShapeDtypeStruct((rows, grid[1]), jnp.float32)]
@@ -169,30 +132,44 @@ def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fo
       out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), dtype))
     if with_bf16:
       out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), jnp.bfloat16))
-  # The inputs come before the outputs in the kernel's refs; `kernel` above reads them in the
-  # order: h, scale, d, valid, [q_scale, [fold, fold_scale]], outputs.
-  call = pl.pallas_call(
-      _reorder(kernel, len(inputs), mode, fold is not None), out_shape=out_shape, grid=grid,
-      compiler_params=plgpu.CompilerParams(num_warps=4),
-      interpret=bool(interpret),
-      name=f"jmoe_swiglu_grad_{mode}")
+  limit = None if dtype is None else float(jnp.finfo(dtype).max)
+
+  def kernel(*refs):
+    ins, outs = refs[:len(inputs)], list(refs[len(inputs):])
+    h_ref, s_ref, d_ref, v_ref = ins[:4]
+    i, j = pl.program_id(0), pl.program_id(1)
+    in_r_B = i * br + jnp.arange(br) < rows
+    mask = in_r_B[:, None] & (j * bc + jnp.arange(bc) < f)[None, :]
+    r, gate_cols, up_cols = pl.ds(i * br, br), pl.ds(j * bc, bc), pl.ds(f + j * bc, bc)
+    row = lambda ref, other: plgpu.load(ref.at[r], mask=in_r_B, other=other)
+    tile = lambda ref, cols: plgpu.load(ref.at[r, cols], mask=mask, other=0.0)
+    scale_B, valid_B = row(s_ref, 0.0), row(v_ref, 0) != 0
+    g = scaled_rows(tile(h_ref, gate_cols), scale_B, valid_B)  # as `gate_and_up`
+    u = scaled_rows(tile(h_ref, up_cols), scale_B, valid_B)
+    d = jnp.where(valid_B[:, None], tile(d_ref, gate_cols).astype(jnp.float32), 0.0)
+    dg, du = swiglu_grad(g, u, d)
+    if mode == "amax":
+      top_B = jnp.max(jnp.maximum(jnp.abs(dg), jnp.abs(du)), axis=1)
+      plgpu.store(outs[0].at[r, pl.ds(j, 1)], top_B[:, None], mask=in_r_B[:, None])
+      return
+    q_scale_B1 = row(ins[4], 1.0)[:, None]
+    q_ref = outs.pop(0)
+    if fold is not None:
+      fold_B1 = row(ins[5], 0.0)[:, None]
+      fold_scale_11 = plgpu.load(ins[6].at[pl.ds(0, 1)])[None, :]
+      folded_ref = outs.pop(0)
+    for cols, v in ((gate_cols, dg), (up_cols, du)):
+      plgpu.store(q_ref.at[r, cols], _quantize(v, q_scale_B1, limit, dtype), mask=mask)
+      if fold is not None:
+        plgpu.store(folded_ref.at[r, cols], _quantize(v * fold_B1, fold_scale_11, limit, dtype),
+                    mask=mask)
+      if with_bf16:
+        plgpu.store(outs[0].at[r, cols], v.astype(jnp.bfloat16), mask=mask)
+
+  call = pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
+                        compiler_params=plgpu.CompilerParams(num_warps=4),
+                        interpret=bool(interpret), name=f"jmoe_swiglu_grad_{mode}")
   return call(*inputs)
-
-
-def _reorder(kernel, num_inputs, mode, folded):
-  """`kernel` taking (h, scale, d, valid, [q_scale], q_out, [fold, fold_scale, folded_out],
-  [bf16_out]) from pallas_call's (inputs..., outputs...)."""
-  if mode == "amax":
-    return kernel
-
-  def reordered(*refs):
-    ins, outs = refs[:num_inputs], list(refs[num_inputs:])
-    head = list(ins[:5]) + [outs.pop(0)]
-    if folded:
-      head += [ins[5], ins[6], outs.pop(0)]
-    return kernel(*head, *outs)
-
-  return reordered
 
 
 def _quantize(v, scale, limit, dtype):
