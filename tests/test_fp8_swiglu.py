@@ -141,3 +141,29 @@ def test_expert_ffn_takes_the_fused_op_for_swiglu_only():
   clamped = gated_activation(tiny_config(moe=dict(activation="clamped_swiglu")).moe)
   expert_ffn(x, sizes, weights, spy, clamped)
   assert calls == [1]
+
+
+@pytest.mark.parametrize("remat", ["full", "attention_moe_experts"])
+def test_fp8_model_with_remat_equals_it_without(remat):
+  """The fused op under recomputation (the whole layer again, or the experts' hidden saved by
+  name from the fused op's output): the same loss and gradients as without."""
+  from flax import nnx
+  from helpers import build
+  toks = jax.random.randint(jax.random.key(7), (2, 32), 0, 264)
+
+  def loss_and_grads(remat):
+    config = tiny_config(train=dict(remat=remat),
+                         precision=dict(gemm="fp8", fp8_experts=True))
+    model = build(config)
+
+    def loss(m):
+      logits, stats = m(toks)
+      return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(stats.router.aux_loss)
+
+    return nnx.value_and_grad(loss)(model)
+
+  (l0, g0), (l1, g1) = loss_and_grads("none"), loss_and_grads(remat)
+  np.testing.assert_allclose(l0, l1, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-5,
+                               atol=1e-7)
