@@ -1,7 +1,8 @@
 """The FP8 grouped-GEMM kernels of moe.gemm=mosaic (jmoe/ops/fp8_mosaic.py) on a Hopper GPU.
 
   python scripts/check_gpu.py --fp8 [--rows 16384] [--shapes up,down] [--no-attention]
-  python scripts/check_gpu_fp8.py [--rows 16384] [--shapes up,odd] [--checks swiglu,gated] [--bench]
+  python scripts/check_gpu_fp8.py [--quick] [--rows 16384] [--shapes up,odd] [--checks swiglu,gated]
+                                  [--bench]
 
 Kernel cases (fp8_kernels/SHAPE/ROUTING), on the balanced, skewed and empty-expert routings of
 scripts/check_gpu.py (the last with rows past the groups): the operands are quantized here as
@@ -225,15 +226,14 @@ def transpose_case(c: dict) -> dict:
   return result
 
 
-def swiglu_case(c: dict) -> dict:
+def swiglu_case(c: dict, reps: int = 10) -> dict:
   """jmoe/ops/fp8_swiglu.py's Triton kernels against the same arithmetic through XLA on the
   GPU, on h of the shape's output width (gate and up halves) with NaN in the rows past the
   groups: row amaxes within 1e-5 (the two exps may differ in their last bits), at most 1 in
   10^4 float8 values of dh per row and of dh folded (and of its bf16 copy) different, rows past
-  the groups zero; and each path's time."""
+  the groups zero; and each path's time over `reps` calls (none for 0)."""
   from jmoe.ops.fp8 import E5M2, quantize, scale_for
   from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, xla_swiglu_grad
-  from tune_gemm import median_seconds
   used, (rows, width) = int(c["sizes"].sum()), c["dy"].shape
   valid = jnp.arange(rows) < used
   h = jnp.where(valid[:, None], c["dy"] * 3, jnp.nan).astype(jnp.bfloat16)
@@ -258,8 +258,10 @@ def swiglu_case(c: dict) -> dict:
   for name, a, b in zip(("dh_q", "folded_q", "dh_bf16"), got[1:], want[1:]):
     result[f"{name}_differing"] = float(np.mean(host(a) != host(b)))
   result["rows_past_groups_zero"] = bool(np.all(host(got[1])[used:] == 0))
-  result["ms"], result["xla_ms"] = (1e3 * median_seconds(jax.jit(fn), *made, reps=10)
-                                    for fn in (ours, xla))
+  if reps:
+    from tune_gemm import median_seconds
+    result["ms"], result["xla_ms"] = (1e3 * median_seconds(jax.jit(fn), *made, reps=reps)
+                                      for fn in (ours, xla))
   result["ok"] = bool(result["amax"] < 1e-5 and result["rows_past_groups_zero"] and max(
       result[f"{n}_differing"] for n in ("dh_q", "folded_q", "dh_bf16")) <= 1e-4)
   return result
@@ -291,7 +293,14 @@ CHECKS = ("transpose", "kernels", "kernels_promoted", "blockwise", "grouped", "g
           "swiglu", "gated", "gated_wfp8")
 
 
-def fp8_jobs(rows: int, shapes=FP8_SHAPES, checks=CHECKS) -> list:
+# --quick: every kind of case once per shape class, each on one routing (Qwen3's up shape with
+# empty experts and rows past the groups, the odd one skewed, Mixtral's two longest
+# contractions balanced)
+QUICK_CASES = (("up", "empty"), ("odd", "skewed"), ("mixtral_up", "balanced"),
+               ("mixtral_down", "balanced"))
+
+
+def fp8_jobs(rows: int, shapes=FP8_SHAPES, checks=CHECKS, cases=None) -> list:
   """Per (shape, routing): a transpose job, two kernel jobs (the row kernels as
   precision.fp8_promote's default, `long`, runs them: promoted from PROMOTE_FROM_K on; and every
   call promoted, as `always`), a blockwise job, two end-to-end jobs, the SwiGLU backward's
@@ -316,8 +325,8 @@ def fp8_jobs(rows: int, shapes=FP8_SHAPES, checks=CHECKS) -> list:
       return {"check": check, **grouped_case(c, "fp8" if "wfp8" in kind_of_check else "bf16")}
     return named(run, check)
 
-  return [job(which, shape, kind) for shape in shapes for kind in ROUTINGS
-          for which in checks]
+  cases = cases or [(shape, kind) for shape in shapes for kind in ROUTINGS]
+  return [job(which, shape, kind) for shape, kind in cases for which in checks]
 
 
 def bench(rows: int, shapes=("up", "down"), reps: int = 10) -> list[dict]:
@@ -368,12 +377,15 @@ def main(argv=None) -> int:
   parser.add_argument("--shapes", default=",".join(FP8_SHAPES))
   parser.add_argument("--workers", type=int, default=4)
   parser.add_argument("--checks", default=",".join(CHECKS), help="which kinds of case to run")
+  parser.add_argument("--quick", action="store_true",
+                      help="each kind of case on QUICK_CASES' shapes and routings only")
   parser.add_argument("--bench", action="store_true", help="time the kernels after the checks")
   parser.add_argument("--bench-only", action="store_true", help="time the kernels, check nothing")
   args = parser.parse_args(argv)
   print(json.dumps({"device": jax.devices()[0].device_kind, "jax": jax.__version__}))
   results = [] if args.bench_only else run_jobs(
-      fp8_jobs(args.rows, args.shapes.split(","), args.checks.split(",")), args.workers)
+      fp8_jobs(args.rows, args.shapes.split(","), args.checks.split(","),
+               QUICK_CASES if args.quick else None), args.workers)
   if args.bench or args.bench_only:
     shapes = [s for s in args.shapes.split(",") if s != "odd"]
     for line in bench(args.rows, shapes):

@@ -462,3 +462,37 @@ def test_the_float8_weight_copies_are_not_held_from_the_forward_pass_to_the_back
   assert weight_copies_grown(gemm, more_layers=4) < 2
   assert (weight_copies_grown(gemm, more_layers=4, param_dtype=jnp.float32)
           < weight_copies_grown(opaque(sixteen_bit), more_layers=4, param_dtype=jnp.float32))
+
+
+def test_the_gpu_checks_of_the_fused_swiglu_pass_and_fail_a_wrong_kernel(monkeypatch):
+  """scripts/check_gpu_fp8.py's SwiGLU cases: with the stand-in GEMM kernels the fused op
+  passes end to end (both weight gradients), the SwiGLU kernels (interpreted) match XLA's
+  arithmetic exactly; a kernel that writes up's gradient where gate's goes fails both."""
+  import functools
+  import jmoe.ops.fp8_grouped as grouped
+  import jmoe.ops.fp8_swiglu as fused
+  check = gpu_check()
+  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
+  monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
+  monkeypatch.setattr(mosaic_gemm, "ragged_contract", fake_contract16)
+  monkeypatch.setitem(check.SHAPES, "small", (6, 256, 192))
+  c = check.quantized_case("small", "empty", 500, 2)
+  for weight_gradient in ("bf16", "fp8"):
+    got = check.gated_case(c, weight_gradient)
+    assert got["ok"], got
+  real = fused.swiglu_grad_quantized
+  monkeypatch.setattr(fused, "swiglu_grad_amax",
+                      functools.partial(fused.swiglu_grad_amax, interpret=True))
+  monkeypatch.setattr(fused, "swiglu_grad_quantized", functools.partial(real, interpret=True))
+  got = check.swiglu_case(c, reps=0)
+  assert got["ok"] and got["dh_q_differing"] == got["folded_q_differing"] == 0, got
+
+  def swapped(*args, **kwargs):  # gate's and up's halves exchanged
+    outs = real(*args, **kwargs)
+    return tuple(None if v is None else jnp.roll(v, v.shape[1] // 2, axis=1) for v in outs)
+
+  monkeypatch.setattr(fused, "swiglu_grad_quantized", swapped)
+  assert not check.swiglu_case(c, reps=0)["ok"]
+  monkeypatch.setattr(grouped, "swiglu_grad_quantized", swapped)
+  jax.clear_caches()
+  assert not check.gated_case(c, "fp8")["ok"]
