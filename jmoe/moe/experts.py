@@ -136,7 +136,9 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
                adapter_gemm: GroupedGemm | None = None, quantized=None) -> jax.Array:
   """Each expert's gated FFN on its rows: gate and up in one grouped GEMM, then the down
   projection; with adapters, each projection plus its low-rank pair (`adapter_gemm`, default
-  `gemm`). `quantized`: x's rows as `gemm.quantize_rows` makes them, for the first GEMM."""
+  `gemm`). `quantized`: x's rows as `gemm.quantize_rows` makes them, for the first GEMM. Where
+  `gemm` has a fused first projection and SwiGLU (FP8: `GroupedGemm.swiglu`) and the FFN is
+  plain SwiGLU without adapters or biases, the two run as that one op."""
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
   num_rows = x_XD.shape[0]
   lora, low = weights.lora, adapter_gemm or gemm
