@@ -3,7 +3,7 @@ memory figures for it, and where its temporaries peak, before renting the GPU.
 
   python scripts/compile_for_gpu.py --config configs/NAME.py [--gpu h200|h100] [--devices N]
       (N GPUs: one host's up to 8, or hosts of 8)
-      [--hlo FILE] [--largest 20] [--config.group.key=value ...]
+      [--packed] [--hlo FILE] [--largest 20] [--config.group.key=value ...]
 
 Needs JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, no driver): JAX compiles
 for a GPU it is given a description of (TARGETS: compute capability, SMs, memory), as its
@@ -78,6 +78,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--hlo", help="also write the compiled program (XLA's HLO text) to FILE")
   parser.add_argument("--largest", type=int, default=20,
                       help="list this many of the buffers live at the temporaries' peak")
+  parser.add_argument("--packed", action="store_true",
+                      help="the step for rows packed from several documents (segment ids and "
+                           "positions beside the tokens), as benchmark.py --packed runs it")
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 
@@ -128,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     layout = make_layout(config.parallel, list(topology.devices))
     optimizer = make_optimizer(config.train, config.precision.moments)
     spec = state_spec(config, layout, optimizer)
-    batch = {"tokens": jax.ShapeDtypeStruct(
-        (config.train.batch_size, config.data.seq_len + 1), np.int32, sharding=layout.batch)}
+    rows = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), np.int32,
+                                sharding=layout.batch)
+    batch = {"tokens": rows, **({"segment_ids": rows, "positions": rows} if args.packed else {})}
     try:
       compiled = compile_train_step(config, layout, spec, optimizer, batch)
       hlo = compiled.as_text()
@@ -155,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     print("  by shape: " + ", ".join(f"{count} x {shape} {gib(n):.2f} GiB"
                                       for shape, count, n in temp.by_shape()[:8]))
     print(json.dumps({
-        "config": args.config, "overrides": overrides, "gpu": gpu.device_kind,
+        "config": args.config, "overrides": overrides, "packed": args.packed,
+        "gpu": gpu.device_kind,
         "devices": devices, "peak_gib": round(gib(compiled_peak(compiled)), 3),
         "temp_gib": round(gib(m.temp_size_in_bytes), 3),
         "live_peak_gib": round(gib(temp.live_peak_bytes), 3),
