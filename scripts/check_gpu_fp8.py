@@ -232,27 +232,21 @@ def swiglu_case(c: dict, reps: int = 10) -> dict:
   groups: row amaxes within 1e-5 (the two exps may differ in their last bits), at most 1 in
   10^4 float8 values of dh per row and of dh folded (and of its bf16 copy) different, rows past
   the groups zero; and each path's time over `reps` calls (none for 0)."""
-  from jmoe.ops.fp8 import E5M2, quantize, scale_for
-  from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, xla_swiglu_grad
+  from jmoe.ops.fp8 import E5M2, scale_for
+  from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized
   used, (rows, width) = int(c["sizes"].sum()), c["dy"].shape
   valid = jnp.arange(rows) < used
   h = jnp.where(valid[:, None], c["dy"] * 3, jnp.nan).astype(jnp.bfloat16)
   d = (c["x"][:, :1] * c["dy"][:, : width // 2] * 1e-3).astype(jnp.bfloat16)
   made = (h, c["s_x"][:, 0] * 512, d, valid)
 
-  def ours(*made):
-    amax = swiglu_grad_amax(*made)
+  def run(*made, path):  # as the fused op's backward pass calls them
+    amax = swiglu_grad_amax(*made, path=path)
     fold = (made[1], scale_for(jnp.max(amax * made[1]), E5M2))
     return (amax, *swiglu_grad_quantized(*made, scale_for(amax, E5M2), E5M2, fold=fold,
-                                         with_bf16=True))
+                                         with_bf16=True, path=path))
 
-  def xla(*made):
-    dh = xla_swiglu_grad(*made)
-    amax = jnp.max(jnp.abs(dh), axis=1)
-    fold_scale = scale_for(jnp.max(amax * made[1]), E5M2)
-    return (amax, quantize(dh, scale_for(amax, E5M2)[:, None], E5M2),
-            quantize(dh * made[1][:, None], fold_scale, E5M2), dh.astype(jnp.bfloat16))
-
+  ours, xla = (functools.partial(run, path=path) for path in (None, "xla"))
   got, want = (jax.jit(fn)(*made) for fn in (ours, xla))
   result = {"rows": rows, "amax": relative_error(host(got[0]), host(want[0]))}
   for name, a, b in zip(("dh_q", "folded_q", "dh_bf16"), got[1:], want[1:]):

@@ -352,16 +352,22 @@ def test_the_kernels_lower_for_hopper(f8):
     assert "custom_call @mosaic_gpu" in lowered.as_text()
 
 
-def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatch):
-  """scripts/check_gpu_fp8.py's cases with the stand-in kernels (float32 accumulation, one bf16
-  rounding: what the kernels do) pass, well inside FP8_TOLERANCE; a kernel whose output is 2x
-  on one expert's rows, or whose weight gradient misses a column block, fails."""
+def stand_in_case(monkeypatch):
+  """(scripts/check_gpu_fp8.py, a case of it) with the stand-in kernels in place of the Mosaic
+  ones: 6 experts of 256 x 192, empty ones among them, rows past the groups."""
   check = gpu_check()
   monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
   monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
   monkeypatch.setattr(mosaic_gemm, "ragged_contract", fake_contract16)
   monkeypatch.setitem(check.SHAPES, "small", (6, 256, 192))
-  c = check.quantized_case("small", "empty", 500, 2)
+  return check, check.quantized_case("small", "empty", 500, 2)
+
+
+def test_the_gpu_check_passes_correct_kernels_and_fails_a_wrong_scale(monkeypatch):
+  """scripts/check_gpu_fp8.py's cases with the stand-in kernels (float32 accumulation, one bf16
+  rounding: what the kernels do) pass, well inside FP8_TOLERANCE; a kernel whose output is 2x
+  on one expert's rows, or whose weight gradient misses a column block, fails."""
+  check, c = stand_in_case(monkeypatch)
   assert not c["sizes"].all() and c["sizes"].sum() < 500  # empty experts, rows past the groups
   good = check.kernel_case(c)
   assert good["ok"], good
@@ -468,27 +474,23 @@ def test_the_gpu_checks_of_the_fused_swiglu_pass_and_fail_a_wrong_kernel(monkeyp
   """scripts/check_gpu_fp8.py's SwiGLU cases: with the stand-in GEMM kernels the fused op
   passes end to end (both weight gradients), the SwiGLU kernels (interpreted) match XLA's
   arithmetic exactly; a kernel that writes up's gradient where gate's goes fails both."""
-  import functools
   import jmoe.ops.fp8_grouped as grouped
   import jmoe.ops.fp8_swiglu as fused
-  check = gpu_check()
-  monkeypatch.setattr(kernels, "ragged_rows", fake_rows)
-  monkeypatch.setattr(kernels, "aligned_contract", fake_contract)
-  monkeypatch.setattr(mosaic_gemm, "ragged_contract", fake_contract16)
-  monkeypatch.setitem(check.SHAPES, "small", (6, 256, 192))
-  c = check.quantized_case("small", "empty", 500, 2)
+  check, c = stand_in_case(monkeypatch)
   for weight_gradient in ("bf16", "fp8"):
     got = check.gated_case(c, weight_gradient)
     assert got["ok"], got
-  real = fused.swiglu_grad_quantized
-  monkeypatch.setattr(fused, "swiglu_grad_amax",
-                      functools.partial(fused.swiglu_grad_amax, interpret=True))
-  monkeypatch.setattr(fused, "swiglu_grad_quantized", functools.partial(real, interpret=True))
+  real, auto = fused.swiglu_grad_quantized, fused._path
+  # the kernels' path (None), as on the GPU, through Pallas' interpreter
+  monkeypatch.setattr(fused, "_path",
+                      lambda h, path: "interpret" if path is None else auto(h, path))
   got = check.swiglu_case(c, reps=0)
   assert got["ok"] and got["dh_q_differing"] == got["folded_q_differing"] == 0, got
 
-  def swapped(*args, **kwargs):  # gate's and up's halves exchanged
-    outs = real(*args, **kwargs)
+  def swapped(*args, path=None, **kwargs):  # the kernels' gate and up halves exchanged
+    outs = real(*args, path=path, **kwargs)
+    if path == "xla":
+      return outs
     return tuple(None if v is None else jnp.roll(v, v.shape[1] // 2, axis=1) for v in outs)
 
   monkeypatch.setattr(fused, "swiglu_grad_quantized", swapped)

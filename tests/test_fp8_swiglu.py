@@ -43,13 +43,13 @@ def test_kernels_match_their_xla_form_bit_for_bit(rows, f, dtype):
   per row and of dh folded under one scale, and dh in bf16, equal XLA's; rows past the groups
   (NaN in h) give zeros."""
   made = operands(rows, f)
-  amaxes = [swiglu_grad_amax(*made, interpret=i) for i in (False, True)]
+  amaxes = [swiglu_grad_amax(*made, path=p) for p in ("xla", "interpret")]
   np.testing.assert_array_equal(*amaxes)
   assert np.all(amaxes[0][rows - 3:] == 0) and np.all(amaxes[0][:rows - 3] > 0)
   q_scale = scale_for(amaxes[0], dtype)
   fold = (made[1], scale_for(jnp.max(amaxes[0] * made[1]), dtype))
-  outs = [swiglu_grad_quantized(*made, q_scale, dtype, fold=fold, with_bf16=True, interpret=i)
-          for i in (False, True)]
+  outs = [swiglu_grad_quantized(*made, q_scale, dtype, fold=fold, with_bf16=True, path=p)
+          for p in ("xla", "interpret")]
   for ours, xla in zip(outs[1], outs[0]):
     assert ours.dtype == xla.dtype
     np.testing.assert_array_equal(jax.lax.bitcast_convert_type(ours, jnp.uint8 if

@@ -73,35 +73,51 @@ def xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X) -> jax.Array:
   return jnp.concatenate([dg, du], axis=1)
 
 
-def swiglu_grad_amax(h_X2F, scale_X, d_XF, valid_X, *, interpret: bool | None = None):
-  """[X] float32: each row's largest |dh| (zero for rows not valid)."""
-  if not _use_kernel(h_X2F, interpret):
+def swiglu_grad_amax(h_X2F, scale_X, d_XF, valid_X, *, path: str | None = None):
+  """[X] float32: each row's largest |dh| (zero for rows not valid). `path`: PATHS' key, None
+  for the kernel on the GPU and XLA elsewhere."""
+  path = _path(h_X2F, path)
+  if path == "xla":
     return jnp.max(jnp.abs(xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X)), axis=1)
-  partial_XC = _call(h_X2F, scale_X, d_XF, valid_X, mode="amax", interpret=interpret)[0]
+  partial_XC = _call(h_X2F, scale_X, d_XF, valid_X, mode="amax", interpret=path == "interpret")[0]
   return jnp.max(partial_XC, axis=1)
 
 
 def swiglu_grad_quantized(h_X2F, scale_X, d_XF, valid_X, q_scale_X, dtype, fold=None,
-                          with_bf16: bool = False, *, interpret: bool | None = None):
+                          with_bf16: bool = False, *, path: str | None = None):
   """(dh_q, folded_q, dh): dh quantized per row [X, 2F] in `dtype`; with `fold` = (fold_X,
   fold_scale), dh * fold_X[row] quantized by the one scale fold_scale, else None; with
-  `with_bf16`, dh in bf16, else None. Rows not valid are zeros."""
-  if not _use_kernel(h_X2F, interpret):
+  `with_bf16`, dh in bf16, else None. Rows not valid are zeros. `path`: as for
+  `swiglu_grad_amax`."""
+  path = _path(h_X2F, path)
+  if path == "xla":
     dh = xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X)
     dh_q = quantize(dh, q_scale_X[:, None], dtype)
     folded_q = None if fold is None else quantize(dh * fold[0][:, None], fold[1], dtype)
     return dh_q, folded_q, dh.astype(jnp.bfloat16) if with_bf16 else None
   outs = list(_call(h_X2F, scale_X, d_XF, valid_X, mode="write", q_scale_X=q_scale_X,
-                    dtype=dtype, fold=fold, with_bf16=with_bf16, interpret=interpret))
+                    dtype=dtype, fold=fold, with_bf16=with_bf16,
+                    interpret=path == "interpret"))
   dh_q = outs.pop(0)
   folded_q = outs.pop(0) if fold is not None else None
   return dh_q, folded_q, outs.pop(0) if with_bf16 else None
 
 
-def _use_kernel(h_X2F, interpret) -> bool:
+# How dh is made: the Triton kernels (on the GPU), the same kernels through Pallas' interpreter
+# (any platform; for tests), or `xla_swiglu_grad`.
+PATHS = ("kernel", "interpret", "xla")
+
+
+def _path(h_X2F, path: str | None) -> str:
+  """`path`, or for None the kernel on the GPU and XLA elsewhere; XLA for operands the kernels
+  cannot address."""
   if h_X2F.size > MAX_ELEMENTS:
-    return False
-  return bool(interpret) or (interpret is None and jax.default_backend() == "gpu")
+    return "xla"
+  if path is None:
+    return "kernel" if jax.default_backend() == "gpu" else "xla"
+  if path not in PATHS:
+    raise ValueError(f"path={path!r}: one of {PATHS}")
+  return path
 
 
 def block_cols(f: int) -> int:
@@ -111,7 +127,7 @@ def block_cols(f: int) -> int:
 
 
 def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fold=None,
-          with_bf16=False, interpret=None):
+          with_bf16=False, interpret=False):
   """The `amax` or `write` kernel over tiles of BLOCK_ROWS rows x `block_cols(F)` columns of
   gate and of up. Inputs: h, scale, d, valid, and for `write` q_scale [, fold, fold_scale];
   outputs: the partial amaxes [X, column tiles], or dh_q [, folded_q] [, dh in bf16]."""
@@ -132,7 +148,6 @@ def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fo
       out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), dtype))
     if with_bf16:
       out_shape.append(jax.ShapeDtypeStruct((rows, 2 * f), jnp.bfloat16))
-  limit = None if dtype is None else float(jnp.finfo(dtype).max)
 
   def kernel(*refs):
     ins, outs = refs[:len(inputs)], list(refs[len(inputs):])
@@ -159,19 +174,15 @@ def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fo
       fold_scale_11 = plgpu.load(ins[6].at[pl.ds(0, 1)])[None, :]
       folded_ref = outs.pop(0)
     for cols, v in ((gate_cols, dg), (up_cols, du)):
-      plgpu.store(q_ref.at[r, cols], _quantize(v, q_scale_B1, limit, dtype), mask=mask)
+      plgpu.store(q_ref.at[r, cols], quantize(v, q_scale_B1, dtype), mask=mask)
       if fold is not None:
-        plgpu.store(folded_ref.at[r, cols], _quantize(v * fold_B1, fold_scale_11, limit, dtype),
+        plgpu.store(folded_ref.at[r, cols], quantize(v * fold_B1, fold_scale_11, dtype),
                     mask=mask)
       if with_bf16:
         plgpu.store(outs[0].at[r, cols], v.astype(jnp.bfloat16), mask=mask)
 
   call = pl.pallas_call(kernel, out_shape=out_shape, grid=grid,
                         compiler_params=plgpu.CompilerParams(num_warps=4),
-                        interpret=bool(interpret), name=f"jmoe_swiglu_grad_{mode}")
+                        interpret=interpret, name=f"jmoe_swiglu_grad_{mode}")
   return call(*inputs)
 
-
-def _quantize(v, scale, limit, dtype):
-  """As jmoe.ops.fp8.quantize: v / scale, saturated, in `dtype`."""
-  return jnp.clip(v / scale, -limit, limit).astype(dtype)
