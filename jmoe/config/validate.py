@@ -244,6 +244,7 @@ def _precision(p):
   yield from _one_of("precision.fp8_weight_gradient", p.fp8_weight_gradient,
                      ("auto", "bf16", "fp8"))
   yield from _one_of("precision.fp8_promote", p.fp8_promote, ("never", "long", "always"))
+  yield from _one_of("precision.fp8_weight_amax", p.fp8_weight_amax, ("kept", "each_use"))
   if p.gemm == "fp8" and not (p.fp8_dense or p.fp8_experts):
     yield ("precision.gemm=fp8 with fp8_dense=false and fp8_experts=false leaves every GEMM in "
            "bf16: set one of them true, or precision.gemm=bf16")

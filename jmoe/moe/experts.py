@@ -45,12 +45,15 @@ class ExpertLoRA:
 @struct.dataclass
 class ExpertWeights:
   """Every (local) expert's FFN weights, in the compute dtype; biases only where the experts have
-  them (GPT-OSS), adapters only with LoRA on the experts."""
+  them (GPT-OSS), adapters only with LoRA on the experts; each weight's amax per expert where
+  the train step keeps it for FP8 (jmoe/ops/fp8.py `WeightAmax`)."""
   w_in_ED2F: jax.Array  # gate and up projections
   w_out_EFD: jax.Array
   b_in_E2F: jax.Array | None = None
   b_out_ED: jax.Array | None = None
   lora: ExpertLoRA | None = None
+  amax_in_E: jax.Array | None = None
+  amax_out_E: jax.Array | None = None
 
   @property
   def num_experts(self) -> int:
@@ -60,10 +63,13 @@ class ExpertWeights:
     """The same tree of PartitionSpecs: experts over the expert axes, F over the tensor axes."""
     expert, tensor = axes.expert or None, axes.tensor or None
     bias = lambda b, spec: None if b is None else spec
+    # (an amax is of the whole expert's weight, on every device of its expert-tensor group)
     return ExpertWeights(w_in_ED2F=P(expert, None, None, tensor), w_out_EFD=P(expert, tensor, None),
                          b_in_E2F=bias(self.b_in_E2F, P(expert, None, tensor)),
                          b_out_ED=bias(self.b_out_ED, P(expert, None)),
-                         lora=None if self.lora is None else self.lora.specs(expert, tensor))
+                         lora=None if self.lora is None else self.lora.specs(expert, tensor),
+                         amax_in_E=bias(self.amax_in_E, P(expert)),
+                         amax_out_E=bias(self.amax_out_E, P(expert)))
 
 
 def gated_activation(cfg) -> GatedActivation:
@@ -138,17 +144,20 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
   projection; with adapters, each projection plus its low-rank pair (`adapter_gemm`, default
   `gemm`). `quantized`: x's rows as `gemm.quantize_rows` makes them, for the first GEMM. Where
   `gemm` has a fused first projection and SwiGLU (FP8: `GroupedGemm.swiglu`) and the FFN is
-  plain SwiGLU without adapters or biases, the two run as that one op."""
+  plain SwiGLU without adapters or biases, the two run as that one op. The weights' kept amaxes
+  go to `gemm` where it takes them (`GroupedGemm.takes_weight_amax`)."""
   num_experts, d_model, _, d_ff = weights.w_in_ED2F.shape
   num_rows = x_XD.shape[0]
   lora, low = weights.lora, adapter_gemm or gemm
   w_in_ED2F = weights.w_in_ED2F.reshape(num_experts, d_model, 2 * d_ff)
   fused = getattr(gemm, "swiglu", None)  # a GroupedGemm's, not a bare GEMM function's
+  amax_in_E = weights.amax_in_E if getattr(gemm, "takes_weight_amax", False) else None
   if fused is not None and activation is swiglu and lora is None and weights.b_in_E2F is None:
-    hidden_XF = checkpoint_name(fused(x_XD, w_in_ED2F, group_sizes_E, quantized),
+    hidden_XF = checkpoint_name(fused(x_XD, w_in_ED2F, group_sizes_E, quantized, amax_in_E),
                                 "expert_hidden")
     return _down(hidden_XF, group_sizes_E, weights, gemm, low, num_rows)
-  h_X2F = gemm(x_XD, w_in_ED2F, group_sizes_E, quantized)
+  h_X2F = (gemm(x_XD, w_in_ED2F, group_sizes_E, quantized) if amax_in_E is None
+           else gemm(x_XD, w_in_ED2F, group_sizes_E, quantized, amax_in_E))
   if lora is not None:
     up_ER2F = lora.b_in_ER2F.reshape(num_experts, -1, 2 * d_ff) * lora.scale
     h_X2F = h_X2F + low(low(x_XD, lora.a_in_EDR, group_sizes_E), up_ER2F, group_sizes_E)
@@ -162,7 +171,9 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
 def _down(hidden_XF, group_sizes_E, weights: ExpertWeights, gemm: GroupedGemm,
           adapter_gemm: GroupedGemm, num_rows: int) -> jax.Array:
   """The down projection of `expert_ffn`, with its adapter and bias where the experts have them."""
-  y_XD = gemm(hidden_XF, weights.w_out_EFD, group_sizes_E)
+  amax_out_E = weights.amax_out_E if getattr(gemm, "takes_weight_amax", False) else None
+  y_XD = (gemm(hidden_XF, weights.w_out_EFD, group_sizes_E) if amax_out_E is None
+          else gemm(hidden_XF, weights.w_out_EFD, group_sizes_E, None, amax_out_E))
   lora = weights.lora
   if lora is not None:
     y_XD = y_XD + adapter_gemm(adapter_gemm(hidden_XF, lora.a_out_EFR, group_sizes_E),

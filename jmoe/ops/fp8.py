@@ -45,14 +45,19 @@ class Fp8Recipe:
   dispatch: bool = False  # tokens cross the expert-parallel exchange as float8
   weight_gradient: str = "auto"  # the expert GEMMs' weight gradient: auto | bf16 | fp8
   promote: str = "long"  # the expert kernels' sums promoted to float32: never | long | always
+  # the expert weights' amax computed by the train step after each update and kept for the next
+  # step's forward pass (`WeightAmax`), instead of read from the weights at each use
+  kept_weight_amax: bool = False
 
   @property
   def grad_dtype(self):
     return FORMATS[self.grad_format]
 
 
-def recipe_from_config(precision) -> Fp8Recipe | None:
-  """The config's FP8 recipe, or None when the GEMMs run in the compute dtype."""
+def recipe_from_config(precision, train_state: bool = False) -> Fp8Recipe | None:
+  """The config's FP8 recipe, or None when the GEMMs run in the compute dtype. `train_state`:
+  for the model of a train state, whose step keeps the expert weights' amax
+  (`precision.fp8_weight_amax=kept`); any other model reads it from the weights."""
   if precision.gemm != "fp8":
     return None
   return Fp8Recipe(delayed=precision.fp8_recipe == "delayed",
@@ -61,7 +66,8 @@ def recipe_from_config(precision) -> Fp8Recipe | None:
                    experts=precision.fp8_experts, dense=precision.fp8_dense,
                    dispatch=precision.fp8_dispatch,
                    weight_gradient=precision.fp8_weight_gradient,
-                   promote=precision.fp8_promote)
+                   promote=precision.fp8_promote,
+                   kept_weight_amax=train_state and precision.fp8_weight_amax == "kept")
 
 
 def scale_for(amax: jax.Array, dtype) -> jax.Array:
@@ -71,6 +77,20 @@ def scale_for(amax: jax.Array, dtype) -> jax.Array:
 
 def amax(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
   return jnp.max(jnp.abs(x), axis=axis, keepdims=keepdims).astype(jnp.float32)
+
+
+def stored_amax(x: jax.Array, axis=None, keepdims=False) -> jax.Array:
+  """`amax` of x's values as its dtype stores them, taken on their bits (sign cleared, the
+  largest bit pattern: the largest magnitude) so that XLA cannot take it from a wider value x
+  was rounded from (it may drop a rounding inside a fusion, `xla_allow_excess_precision`). The
+  train step keeps the expert weights' amaxes so (jmoe/moe/layer.py), from inside the optimizer
+  update that rounds them: there, as for a parameter stored in the compute dtype, it is the
+  amax the forward pass finds. (The forward pass itself takes `amax`: on the bits XLA kept
+  each layer's cast of a float32 weight until the backward pass, reading them.)"""
+  bits = {2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  magnitude = jax.lax.bitcast_convert_type(x, bits) & bits(jnp.iinfo(bits).max >> 1)
+  top = jnp.max(magnitude, axis=axis, keepdims=keepdims)
+  return jax.lax.bitcast_convert_type(top, x.dtype).astype(jnp.float32)
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
@@ -138,6 +158,13 @@ fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 class Fp8History(nnx.Variable):
   """Delayed scaling's amax history of one GEMM: rows input, weight, gradient; newest first.
   Updated by the train step from the backward pass (not an optimizer update)."""
+
+
+class WeightAmax(nnx.Variable):
+  """An expert weight's amax per expert (float32), for the FP8 forward pass to scale the weight
+  without reading it once more. Computed by the train step from the weights it has just
+  updated (and from the weights a run starts with): derived from the parameters, so never
+  saved in a checkpoint (jmoe/moe/layer.py `keep_weight_amax`)."""
 
 
 class Fp8Dot(nnx.Module):

@@ -62,18 +62,20 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
   kernel, over x_q dequantized (the values the forward multiplied) and dy as it comes.
   `quantized`: x's rows as `quantize_rows` makes them, (x_q, scale_X1), made before x's rows
   were gathered (each token once, not once per copy; the gather then moves one byte a value):
-  the forward takes them instead of quantizing x, which it then does not read.
+  the forward takes them instead of quantizing x, which it then does not read. `w_amax_E`: each
+  expert's amax of w, made beforehand (the train step keeps it, jmoe/ops/fp8.py `WeightAmax`),
+  so that the forward does not read w for it; None: read from w.
   """
   grad_dtype = FORMATS[grad_format]
   contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
   @jax.custom_vjp
-  def gemm(x_XD, w_EDF, group_sizes_E, quantized):
-    return fwd(x_XD, w_EDF, group_sizes_E, quantized)[0]
+  def gemm(x_XD, w_EDF, group_sizes_E, quantized, w_amax_E):
+    return fwd(x_XD, w_EDF, group_sizes_E, quantized, w_amax_E)[0]
 
-  def fwd(x_XD, w_EDF, group_sizes_E, quantized):
+  def fwd(x_XD, w_EDF, group_sizes_E, quantized, w_amax_E):
     y_XF, rows_X, x_q, scale_X1, scale_E11 = _forward(kernels, x_XD, w_EDF, group_sizes_E,
-                                                      quantized)
+                                                      quantized, w_amax_E)
     y_XF = jnp.where(rows_X.valid[:, None], y_XF.astype(jnp.float32) * rows_X.scale[:, None], 0)
     return y_XF.astype(x_XD.dtype), (x_q, scale_X1, w_EDF, scale_E11, group_sizes_E)
 
@@ -101,8 +103,8 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
 
   gemm.defvjp(fwd, bwd)
 
-  def grouped(x_XD, w_EDF, group_sizes_E, quantized=None):
-    return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized)
+  def grouped(x_XD, w_EDF, group_sizes_E, quantized=None, w_amax_E=None):
+    return gemm(x_XD, _varying_like(w_EDF, x_XD), group_sizes_E, quantized, w_amax_E)
 
   return grouped
 
@@ -122,12 +124,12 @@ def grouped_fp8_swiglu(kernels: RaggedKernels, grad_format: str = "e5m2",
   contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
   @jax.custom_vjp
-  def gemm(x_XD, w_ED2F, group_sizes_E, quantized):
-    return fwd(x_XD, w_ED2F, group_sizes_E, quantized)[0]
+  def gemm(x_XD, w_ED2F, group_sizes_E, quantized, w_amax_E):
+    return fwd(x_XD, w_ED2F, group_sizes_E, quantized, w_amax_E)[0]
 
-  def fwd(x_XD, w_ED2F, group_sizes_E, quantized):
+  def fwd(x_XD, w_ED2F, group_sizes_E, quantized, w_amax_E):
     h_X2F, rows_X, x_q, scale_X1, scale_E11 = _forward(kernels, x_XD, w_ED2F, group_sizes_E,
-                                                       quantized)
+                                                       quantized, w_amax_E)
     gate_XF, up_XF = gate_and_up(h_X2F, rows_X.scale, rows_X.valid)
     hidden_XF = swiglu(gate_XF.astype(x_XD.dtype), up_XF.astype(x_XD.dtype))
     return hidden_XF, (x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F)
@@ -154,8 +156,8 @@ def grouped_fp8_swiglu(kernels: RaggedKernels, grad_format: str = "e5m2",
 
   gemm.defvjp(fwd, bwd)
 
-  def gated(x_XD, w_ED2F, group_sizes_E, quantized=None):
-    return gemm(x_XD, _varying_like(w_ED2F, x_XD), group_sizes_E, quantized)
+  def gated(x_XD, w_ED2F, group_sizes_E, quantized=None, w_amax_E=None):
+    return gemm(x_XD, _varying_like(w_ED2F, x_XD), group_sizes_E, quantized, w_amax_E)
 
   return gated
 
@@ -176,12 +178,13 @@ class _Rows:
                scale_X1[:, 0] * take_rows(scale_E11[:, 0, 0], expert_X))
 
 
-def _forward(kernels, x_XD, w_EDF, group_sizes_E, quantized):
+def _forward(kernels, x_XD, w_EDF, group_sizes_E, quantized, w_amax_E=None):
   """The forward GEMM: (y as the kernel wrote it, _Rows with y's row scales, x_q, x's row
-  scales, w's expert scales)."""
+  scales, w's expert scales), w's scales from `w_amax_E` where given."""
   x_q, scale_X1 = quantize_rows(x_XD) if quantized is None else quantized
-  scale_E11, scale_X1 = at_this_layer(
-      scale_for(amax(w_EDF, axis=(1, 2), keepdims=True), E4M3), scale_X1)
+  amax_E11 = (amax(w_EDF, axis=(1, 2), keepdims=True) if w_amax_E is None
+              else w_amax_E.astype(jnp.float32)[:, None, None])
+  scale_E11, scale_X1 = at_this_layer(scale_for(amax_E11, E4M3), scale_X1)
   y_XF = kernels.dot(x_q, quantize(w_EDF, scale_E11, E4M3), group_sizes_E)
   return (y_XF, _Rows.of(group_sizes_E, w_EDF.shape[0], scale_E11, scale_X1), x_q, scale_X1,
           scale_E11)
@@ -202,14 +205,14 @@ def _in_backward(scale_E11, scale_X1, dy):
 
 def _gradients(kernels, dy_q, scale_dy_X1, dw_EDF, w_EDF, scale_E11, rows_X, group_sizes_E,
                dtype):
-  """(dx, dw, None, None) of a grouped FP8 GEMM from its quantized output gradient and its
+  """(dx, dw, None, None, None) of a grouped FP8 GEMM from its quantized output gradient and its
   weight gradient (float32): the input gradient through the weight quantized again here."""
   w_q = quantize(w_EDF, scale_E11, E4M3)
   dx_XD = kernels.dot(dy_q, jnp.swapaxes(w_q, 1, 2), group_sizes_E)
   dx_XD = dx_XD.astype(jnp.float32) * scale_dy_X1 * take_rows(scale_E11[:, 0], rows_X.expert)
   dx_XD = jnp.where(rows_X.valid[:, None], dx_XD, 0)
   dw_EDF = jnp.where((group_sizes_E > 0)[:, None, None], dw_EDF, 0)  # no rows: no gradient
-  return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None, None
+  return dx_XD.astype(dtype), dw_EDF.astype(w_EDF.dtype), None, None, None
 
 
 def at_this_layer(weight_scale, rows_scale):

@@ -55,14 +55,21 @@ class GroupedGemm:
   # -> silu(gate) * up [X, F], whose backward pass quantizes d(gate, up) as it makes it
   # (`grouped_fp8_swiglu`); None where the projection and the activation run apart.
   swiglu: Callable[..., jax.Array] | None = None
+  # In FP8 on per-expert weight scales: it (and `swiglu`) takes each expert's weight amax,
+  # `w_amax_E`, made beforehand (jmoe/ops/fp8.py `WeightAmax`), instead of reading the weight.
+  takes_weight_amax: bool = False
   # Whether its gradients keep shard_map's varying-axes types (a custom VJP around a foreign
   # kernel may drop them; shard_map then runs with that check off).
   keeps_varying_axes: bool = True
   portable: bool = True  # runs (and traces) on every platform, not only on its GPU
 
   def __call__(self, x_XD: jax.Array, w_EDF: jax.Array, group_sizes_E: jax.Array,
-               quantized: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """`quantized`: x_XD's rows as `quantize_rows` makes them (only with it)."""
+               quantized: tuple[jax.Array, jax.Array] | None = None,
+               w_amax_E: jax.Array | None = None) -> jax.Array:
+    """`quantized`: x_XD's rows as `quantize_rows` makes them (only with it); `w_amax_E`: each
+    expert's weight amax (only where it `takes_weight_amax`)."""
+    if w_amax_E is not None:
+      return self.gemm(x_XD, w_EDF, group_sizes_E, quantized, w_amax_E)
     if quantized is None:
       return self.gemm(x_XD, w_EDF, group_sizes_E)
     return self.gemm(x_XD, w_EDF, group_sizes_E, quantized)
@@ -161,7 +168,15 @@ def grouped_gemm(name: str, fp8_grad_format: str | None = None, blockwise: bool 
   return dataclasses.replace(
       backend, gemm=grouped_fp8(kernels, fp8_grad_format, weight_gradient),
       quantize_rows=quantize_rows,
-      swiglu=grouped_fp8_swiglu(kernels, fp8_grad_format, weight_gradient))
+      swiglu=grouped_fp8_swiglu(kernels, fp8_grad_format, weight_gradient),
+      takes_weight_amax=True)
+
+
+def has_fp8_kernels(name: str) -> bool:
+  """Whether the backend `name` (or `auto`'s choice) has float8 grouped kernels: FP8 runs its
+  expert GEMMs on per-expert weight scales (not blockwise), which take a kept weight amax."""
+  check_backend(name)
+  return GEMM_BACKENDS[auto_gemm() if name == "auto" else name].fp8 is not None
 
 
 BatchedGemm = Callable[[jax.Array, jax.Array], jax.Array]  # (x_ECD, w_EDF) -> y_ECF

@@ -17,7 +17,7 @@ from jmoe.checkpoint import Checkpointer
 from jmoe.checkpoint.params import fingerprint, read_variables
 from jmoe.config import Config, ConfigError
 from jmoe.config.resume import HELD, changed, model_settings, recorded, saved_with
-from jmoe.ops.fp8 import Fp8History
+from jmoe.ops.fp8 import Fp8History, WeightAmax
 from jmoe.parallel import Layout
 from jmoe.train.state import StateSpec, TrainState, frozen
 
@@ -57,8 +57,9 @@ def check_batch_fits(config: Config, layout: Layout) -> None:
 
 def saved_part(config: Config, state: TrainState) -> TrainState:
   """What a checkpoint of the run holds: the whole state, but for LoRA's frozen model (which is
-  read from checkpoint.load_params again on resume)."""
-  return state.replace(rest=nnx.split_state(state.rest, frozen(config), ...)[1])
+  read from checkpoint.load_params again on resume) and the FP8 expert weights' kept amaxes
+  (made from the parameters again on resume)."""
+  return state.replace(rest=nnx.split_state(state.rest, frozen(config), WeightAmax, ...)[2])
 
 
 def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
@@ -74,22 +75,26 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     log.info("resuming from %s at step %d", checkpointer.directory / str(step), step)
     if config.lora.rank:
       state = state.replace(rest=nnx.merge_state(_frozen_model(config, spec), state.rest))
-    return step, state, data if data.get("streams") else None
+    return step, spec.with_weight_amax(state), data if data.get("streams") else None
   if config.checkpoint.load_params:
-    # FP8 amax histories are run state, not model: they start empty, whatever the source had.
-    histories, rest = nnx.split_state(spec.abstract.rest, Fp8History, ...)
-    history_shardings, rest_shardings = nnx.split_state(spec.shardings.rest, Fp8History, ...)
-    histories = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), histories,
-                             history_shardings)
+    # FP8 amax histories are run state, not model: they start empty, whatever the source had;
+    # the kept weight amaxes (zero here) are made from the parameters read.
+    run_state = lambda tree: nnx.split_state(tree, nnx.Any(Fp8History, WeightAmax), ...)
+    started, rest = run_state(spec.abstract.rest)
+    run_shardings, rest_shardings = run_state(spec.shardings.rest)
+    started = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), started,
+                           run_shardings)
     if config.lora.rank:  # the model's variables all in `rest`; the adapters new
       base = _frozen_model(config, spec, whole=True)
-      return 0, spec.init_from(spec.init_adapters(), nnx.merge_state(base, histories)), None
+      state = spec.init_from(spec.init_adapters(), nnx.merge_state(base, started))
+      return 0, spec.with_weight_amax(state), None
     abstract = nnx.merge_state(spec.abstract.params, rest)
     shardings = nnx.merge_state(spec.shardings.params, rest_shardings)
     variables = read_variables(config.checkpoint.load_params, abstract, shardings)
     log.info("starting from the model in %s", config.checkpoint.load_params)
     params, rest = nnx.split_state(variables, nnx.Param, ...)
-    return 0, spec.init_from(params, nnx.merge_state(rest, histories)), None
+    state = spec.init_from(params, nnx.merge_state(rest, started))
+    return 0, spec.with_weight_amax(state), None
   return 0, spec.init(), None
 
 
@@ -166,8 +171,8 @@ def check_record(checkpointer: Checkpointer, step: int, record: dict) -> None:
 
 def _frozen_model(config: Config, spec: StateSpec, whole: bool = False) -> nnx.State:
   """LoRA's frozen model, read from checkpoint.load_params: its parameters (`whole`: every model
-  variable of `rest` but the FP8 histories, as a fresh run starts from)."""
-  part = lambda tree: nnx.split_state(tree, nnx.Not(Fp8History), ...)[0]
+  variable of `rest` but the FP8 histories and kept amaxes, as a fresh run starts from)."""
+  part = lambda tree: nnx.filter_state(tree, nnx.Not(nnx.Any(Fp8History, WeightAmax)))
   log.info("the frozen model under the adapters: %s", config.checkpoint.load_params)
   variables = read_variables(config.checkpoint.load_params, part(spec.abstract.rest),
                              part(spec.shardings.rest))

@@ -14,7 +14,8 @@ from flax import nnx
 from jmoe.config import Config
 from jmoe.model.factory import DTYPES
 from jmoe.model.qk_clip import clip_factors
-from jmoe.ops.fp8 import Fp8History
+from jmoe.moe.layer import keep_weight_amax
+from jmoe.ops.fp8 import Fp8History, WeightAmax
 from jmoe.parallel import Layout
 from jmoe.train.loss import (head_nll, mtp_inputs, mtp_loss, router_metrics, target_counts,
                              target_masks)
@@ -151,7 +152,10 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
     base, others = nnx.split_state(others, frozen(config), ...)  # the frozen model passes by
     rest = nnx.merge_state(histories, others)
     top_LH = metrics.pop(MAX_LOGIT, None)
-    if bias_rate > 0 or top_LH is not None:
+    # FP8: the expert weights' amaxes for the next step, from the weights just updated (XLA
+    # reads them in the update's own pass); frozen weights (LoRA) keep theirs.
+    keep_amax = not config.lora.rank and bool(jax.tree.leaves(nnx.filter_state(rest, WeightAmax)))
+    if bias_rate > 0 or top_LH is not None or keep_amax:
       model = nnx.merge(graphdef, params, base, rest)
       if bias_rate > 0:  # aux-loss-free balancing, outside the gradient
         model.update_expert_bias(metrics["expert_load"], bias_rate)
@@ -160,6 +164,8 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
         eta_LH = jnp.where(finite, clip_factors(top_LH, config.train.qk_clip), 1.0)
         model.clip_attention_logits(eta_LH, config.train.qk_clip_alpha)
         params = nnx.state(model, trainable(config))
+      if keep_amax:  # (after QK-clip, which changes attention weights only)
+        keep_weight_amax(model)
       rest = nnx.state(model, nnx.Not(nnx.Param))
     old = nnx.split_state(state.rest, frozen(config), ...)[1]
     rest = jax.tree.map(lambda new, old: jnp.where(finite, new, old), rest, old)
