@@ -231,9 +231,11 @@ def swiglu_case(c: dict, reps: int = 10) -> dict:
   GPU, on h of the shape's output width (gate and up halves) with NaN in the rows past the
   groups: row amaxes within 1e-5 (the two exps may differ in their last bits), at most 1 in
   10^4 float8 values of dh per row and of dh folded (and of its bf16 copy) different, rows past
-  the groups zero; and each path's time over `reps` calls (none for 0)."""
+  the groups zero; the forward kernel (`swiglu_quantized`) likewise: its row scales within
+  1e-5, at most 1 in 10^4 float8 values of the hidden different, rows past the groups zero;
+  and each path's time over `reps` calls (none for 0)."""
   from jmoe.ops.fp8 import E5M2, scale_for
-  from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized
+  from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, swiglu_quantized
   used, (rows, width) = int(c["sizes"].sum()), c["dy"].shape
   valid = jnp.arange(rows) < used
   h = jnp.where(valid[:, None], c["dy"] * 3, jnp.nan).astype(jnp.bfloat16)
@@ -252,12 +254,23 @@ def swiglu_case(c: dict, reps: int = 10) -> dict:
   for name, a, b in zip(("dh_q", "folded_q", "dh_bf16"), got[1:], want[1:]):
     result[f"{name}_differing"] = float(np.mean(host(a) != host(b)))
   result["rows_past_groups_zero"] = bool(np.all(host(got[1])[used:] == 0))
+  # the forward kernel: the hidden quantized per row (its bf16 copy is XLA's on both paths)
+  forward = lambda path: jax.jit(lambda h, s, v: swiglu_quantized(h, s, v, path=path)[:2])
+  fwd_args = (made[0], made[1], made[3])
+  (hq, hs), (hq_xla, hs_xla) = (forward(path)(*fwd_args) for path in (None, "xla"))
+  result["forward_scale"] = relative_error(host(hs), host(hs_xla))
+  result["forward_q_differing"] = float(np.mean(host(hq) != host(hq_xla)))
+  result["forward_rows_past_groups_zero"] = bool(np.all(host(hq)[used:] == 0))
   if reps:
     from tune_gemm import median_seconds
     result["ms"], result["xla_ms"] = (1e3 * median_seconds(jax.jit(fn), *made, reps=reps)
                                       for fn in (ours, xla))
+    result["forward_ms"], result["forward_xla_ms"] = (
+        1e3 * median_seconds(forward(path), *fwd_args, reps=reps) for path in (None, "xla"))
   result["ok"] = bool(result["amax"] < 1e-5 and result["rows_past_groups_zero"] and max(
-      result[f"{n}_differing"] for n in ("dh_q", "folded_q", "dh_bf16")) <= 1e-4)
+      result[f"{n}_differing"] for n in ("dh_q", "folded_q", "dh_bf16")) <= 1e-4
+      and result["forward_scale"] < 1e-5 and result["forward_q_differing"] <= 1e-4
+      and result["forward_rows_past_groups_zero"])
   return result
 
 
@@ -273,7 +286,7 @@ def gated_case(c: dict, weight_gradient: str) -> dict:
   sizes = c["sizes"]
   width = c["w"].shape[2]
   d = c["dy"][:, : width // 2]
-  y, vjp = jax.vjp(lambda x, w: gated(x, w, jnp.asarray(sizes)), c["x"], c["w"])
+  y, vjp = jax.vjp(lambda x, w: gated(x, w, jnp.asarray(sizes))[0], c["x"], c["w"])
   y, dx, dw = (host(a) for a in (y, *vjp(d)))
   h = reference(c["x"], c["w"], jnp.zeros_like(c["dy"]), sizes)[0]
   y_ref, silu_vjp = jax.vjp(lambda g, u: jax.nn.silu(g) * u, h[:, : width // 2],

@@ -473,7 +473,8 @@ def test_the_float8_weight_copies_are_not_held_from_the_forward_pass_to_the_back
 def test_the_gpu_checks_of_the_fused_swiglu_pass_and_fail_a_wrong_kernel(monkeypatch):
   """scripts/check_gpu_fp8.py's SwiGLU cases: with the stand-in GEMM kernels the fused op
   passes end to end (both weight gradients), the SwiGLU kernels (interpreted) match XLA's
-  arithmetic exactly; a kernel that writes up's gradient where gate's goes fails both."""
+  arithmetic exactly; a forward kernel with its scales off fails, and a backward kernel that
+  writes up's gradient where gate's goes fails both."""
   import jmoe.ops.fp8_grouped as grouped
   import jmoe.ops.fp8_swiglu as fused
   check, c = stand_in_case(monkeypatch)
@@ -486,6 +487,13 @@ def test_the_gpu_checks_of_the_fused_swiglu_pass_and_fail_a_wrong_kernel(monkeyp
                       lambda h, path: "interpret" if path is None else auto(h, path))
   got = check.swiglu_case(c, reps=0)
   assert got["ok"] and got["dh_q_differing"] == got["folded_q_differing"] == 0, got
+  assert got["forward_q_differing"] == got["forward_scale"] == 0, got
+  # a forward kernel whose row scales are off by a rounding's worth of bits fails
+  forward = fused._forward_call
+  monkeypatch.setattr(fused, "_forward_call",
+                      lambda *a, **k: (lambda q, s: (q, s * (1 + 2**-10)))(*forward(*a, **k)))
+  assert not check.swiglu_case(c, reps=0)["ok"]
+  monkeypatch.setattr(fused, "_forward_call", forward)
 
   def swapped(*args, path=None, **kwargs):  # the kernels' gate and up halves exchanged
     outs = real(*args, path=path, **kwargs)

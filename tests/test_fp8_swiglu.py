@@ -15,7 +15,7 @@ from jmoe.ops.activations import swiglu
 from jmoe.ops.fp8 import E4M3, E5M2, scale_for
 from jmoe.ops.fp8_grouped import grouped_fp8, grouped_fp8_swiglu
 from jmoe.ops.fp8_swiglu import (round_to_bf16, swiglu_grad_amax, swiglu_grad_quantized,
-                                 xla_swiglu_grad)
+                                 swiglu_quantized, xla_swiglu_grad)
 from jmoe.ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm
 from helpers import grouped_contract, tiny_config
 
@@ -34,6 +34,29 @@ def operands(rows, f, invalid=3, seed=0):
   scale = jax.random.uniform(keys[1], (rows,), minval=0.5, maxval=2.0)
   d = (jax.random.normal(keys[2], (rows, f)) * 1e-3).astype(jnp.bfloat16)
   return h, scale, d, jnp.arange(rows) < rows - invalid
+
+
+@pytest.mark.parametrize("rows,f", [(37, 300), (16, 768)])
+def test_forward_kernel_matches_its_xla_form_and_quantizes_as_the_down_projection(rows, f):
+  """`swiglu_quantized` in Pallas' interpreter: every float8 byte and row scale of the hidden
+  equal XLA's; those are the down projection's own quantization of the bf16 hidden
+  (`quantize_rows`), which it returns; rows past the groups are zeros."""
+  from jmoe.ops.fp8_grouped import quantize_rows
+  h, scale, _, valid = operands(rows, f)
+  (q, s, hidden), (q_xla, s_xla, hidden_xla) = (
+      swiglu_quantized(h, scale, valid, path=p) for p in ("interpret", "xla"))
+  bits = lambda v: np.asarray(jax.lax.bitcast_convert_type(v, jnp.uint8))
+  np.testing.assert_array_equal(bits(q), bits(q_xla))
+  np.testing.assert_array_equal(s, s_xla)
+  q_rows, s_rows = quantize_rows(hidden)
+  np.testing.assert_array_equal(bits(q), bits(q_rows))
+  np.testing.assert_array_equal(s, s_rows[:, 0])
+  assert hidden.dtype == jnp.bfloat16 and np.all(np.asarray(q, np.float32)[rows - 3:] == 0)
+  # the hidden is silu(gate) * up
+  g, u = (np.asarray(h[:rows - 3, i * f:(i + 1) * f], np.float32) * np.asarray(scale)[
+      :rows - 3, None] for i in (0, 1))
+  want = g / (1 + np.exp(-g)) * u
+  assert rel(np.asarray(hidden[:rows - 3], np.float32), want) < 4e-3
 
 
 @pytest.mark.parametrize("rows,f,dtype", [(37, 300, E5M2), (16, 768, E4M3)])
@@ -103,7 +126,7 @@ def test_fused_projection_and_swiglu_against_float32_and_them_apart(weight_gradi
   apart = grouped_fp8(kernels, "e5m2", weight_gradient)
   exact = GEMM_BACKENDS["ragged_dot"]
   runs = []
-  for fn, args in ((lambda x, w: fused(x, w, sizes), (x, w)),
+  for fn, args in ((lambda x, w: fused(x, w, sizes)[0], (x, w)),
                    (lambda x, w: swiglu(*jnp.split(apart(x, w, sizes), 2, axis=1)), (x, w)),
                    (lambda x, w: swiglu(*jnp.split(exact(x, w, sizes), 2, axis=1)),
                     (x.astype(jnp.float32), w.astype(jnp.float32)))):
@@ -111,7 +134,10 @@ def test_fused_projection_and_swiglu_against_float32_and_them_apart(weight_gradi
     runs.append((y, *vjp(d.astype(y.dtype))))
   used = int(sizes.sum())
   (y, dx, dw), (y_apart, dx_apart, dw_apart), (y_ref, dx_ref, dw_ref) = runs
-  assert rel(y[:used], y_apart[:used]) < 4e-3
+  # The fused op rounds the hidden to bf16 once (XLA's bf16 SwiGLU rounds silu(gate), then the
+  # product): a bf16 rounding's worth apart, and no farther from float32.
+  assert rel(y[:used], y_apart[:used]) < 6e-3
+  assert rel(y[:used], y_ref[:used]) <= rel(y_apart[:used], y_ref[:used])
   # silu(gate) * up carries both halves' FP8 errors: above one GEMM's 5%
   assert rel(y[:used], y_ref[:used]) < 0.08
   for ours, theirs, want in ((dx[:used], dx_apart[:used], dx_ref[:used]), (dw, dw_apart, dw_ref)):

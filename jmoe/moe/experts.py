@@ -153,9 +153,15 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
   fused = getattr(gemm, "swiglu", None)  # a GroupedGemm's, not a bare GEMM function's
   amax_in_E = weights.amax_in_E if getattr(gemm, "takes_weight_amax", False) else None
   if fused is not None and activation is swiglu and lora is None and weights.b_in_E2F is None:
-    hidden_XF = checkpoint_name(fused(x_XD, w_in_ED2F, group_sizes_E, quantized, amax_in_E),
-                                "expert_hidden")
-    return _down(hidden_XF, group_sizes_E, weights, gemm, low, num_rows)
+    # the hidden, and its rows quantized for the down projection (which reads only those)
+    hidden_XF, (hidden_q, scale_X1) = fused(x_XD, w_in_ED2F, group_sizes_E, quantized, amax_in_E)
+    # All three named, so that a policy saving the hidden spares the first projection again in
+    # the backward pass; the float8 values as their bytes (named float8 values came out NaN in
+    # the gradient of a recomputed layer, jax 0.11.2).
+    hidden_XF, bytes_XF, scale_X1 = checkpoint_name(
+        (hidden_XF, jax.lax.bitcast_convert_type(hidden_q, jnp.uint8), scale_X1), "expert_hidden")
+    rows = (jax.lax.bitcast_convert_type(bytes_XF, hidden_q.dtype), scale_X1)
+    return _down(hidden_XF, group_sizes_E, weights, gemm, low, num_rows, rows)
   h_X2F = (gemm(x_XD, w_in_ED2F, group_sizes_E, quantized) if amax_in_E is None
            else gemm(x_XD, w_in_ED2F, group_sizes_E, quantized, amax_in_E))
   if lora is not None:
@@ -169,11 +175,13 @@ def expert_ffn(x_XD: jax.Array, group_sizes_E: jax.Array, weights: ExpertWeights
 
 
 def _down(hidden_XF, group_sizes_E, weights: ExpertWeights, gemm: GroupedGemm,
-          adapter_gemm: GroupedGemm, num_rows: int) -> jax.Array:
-  """The down projection of `expert_ffn`, with its adapter and bias where the experts have them."""
+          adapter_gemm: GroupedGemm, num_rows: int, quantized=None) -> jax.Array:
+  """The down projection of `expert_ffn`, with its adapter and bias where the experts have them;
+  `quantized`: the hidden's rows as `gemm.quantize_rows` makes them, if made already."""
   amax_out_E = weights.amax_out_E if getattr(gemm, "takes_weight_amax", False) else None
-  y_XD = (gemm(hidden_XF, weights.w_out_EFD, group_sizes_E) if amax_out_E is None
-          else gemm(hidden_XF, weights.w_out_EFD, group_sizes_E, None, amax_out_E))
+  y_XD = (gemm(hidden_XF, weights.w_out_EFD, group_sizes_E)
+          if amax_out_E is None and quantized is None
+          else gemm(hidden_XF, weights.w_out_EFD, group_sizes_E, quantized, amax_out_E))
   lora = weights.lora
   if lora is not None:
     y_XD = y_XD + adapter_gemm(adapter_gemm(hidden_XF, lora.a_out_EFR, group_sizes_E),

@@ -14,9 +14,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jmoe.ops.activations import swiglu
 from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
-from jmoe.ops.fp8_swiglu import gate_and_up, swiglu_grad_amax, swiglu_grad_quantized
+from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, swiglu_quantized
 from jmoe.ops.rows import row_groups, take_rows
 
 # precision.fp8_weight_gradient=auto takes the float8 contraction when a device's experts have at
@@ -112,14 +111,18 @@ def grouped_fp8(kernels: RaggedKernels, grad_format: str = "e5m2",
 def grouped_fp8_swiglu(kernels: RaggedKernels, grad_format: str = "e5m2",
                        weight_gradient: str = "fp8"):
   """The experts' first projection and SwiGLU in one: (x_XD, w_ED2F, group_sizes_E, quantized)
-  -> silu(gate) * up [X, F], gate and up being the grouped GEMM's output's halves (w's first F
-  columns and its last F), in FP8 as `grouped_fp8` runs it.
+  -> (hidden, (hidden_q, its row scales [X, 1])), the hidden silu(gate) * up [X, F] in bf16
+  and quantized per row for the down projection (its `quantized`), gate and up being the
+  grouped GEMM's output's halves (w's first F columns and its last F), in FP8 as `grouped_fp8`
+  runs it.
 
-  What one custom VJP over both buys is the backward pass: d(gate, up) is made, measured per
-  row and quantized by jmoe/ops/fp8_swiglu.py's kernels from h as the kernel wrote it (kept
-  from the forward pass, as XLA kept it for the 16-bit SwiGLU) and the hidden's gradient,
-  without ever being written in bf16 (except for the 16-bit weight gradient, which reads it).
-  The forward pass is XLA's, as it was: SwiGLU fused with the scaling of h."""
+  One op over both spares passes over the hidden and its gradient. Forward: the hidden is
+  made from h and quantized by one kernel (jmoe/ops/fp8_swiglu.py `swiglu_quantized`), never
+  written in bf16 unless something reads it (the down projection reads the float8 rows).
+  Backward: d(gate, up) is made, measured per row and quantized by that module's kernels from
+  h as the kernel wrote it (kept from the forward pass, as XLA kept it for the 16-bit SwiGLU)
+  and the hidden's gradient, without ever being written in bf16 (except for the 16-bit weight
+  gradient, which reads it)."""
   grad_dtype = FORMATS[grad_format]
   contract16 = kernels.contract16 if weight_gradient == "bf16" else None
 
@@ -130,11 +133,12 @@ def grouped_fp8_swiglu(kernels: RaggedKernels, grad_format: str = "e5m2",
   def fwd(x_XD, w_ED2F, group_sizes_E, quantized, w_amax_E):
     h_X2F, rows_X, x_q, scale_X1, scale_E11 = _forward(kernels, x_XD, w_ED2F, group_sizes_E,
                                                        quantized, w_amax_E)
-    gate_XF, up_XF = gate_and_up(h_X2F, rows_X.scale, rows_X.valid)
-    hidden_XF = swiglu(gate_XF.astype(x_XD.dtype), up_XF.astype(x_XD.dtype))
-    return hidden_XF, (x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F)
+    hidden_q, scale_hidden_X, hidden_XF = swiglu_quantized(h_X2F, rows_X.scale, rows_X.valid)
+    return ((hidden_XF.astype(x_XD.dtype), (hidden_q, scale_hidden_X[:, None])),
+            (x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F))
 
-  def bwd(residuals, d_XF):
+  def bwd(residuals, d_out):
+    d_XF = d_out[0]  # (the float8 rows pass on no gradient: the down projection's is d_XF's)
     x_q, scale_X1, w_ED2F, scale_E11, group_sizes_E, h_X2F = residuals
     (scale_E11, scale_X1), d_XF = _in_backward(scale_E11, scale_X1, d_XF)
     rows_X = _Rows.of(group_sizes_E, w_ED2F.shape[0], scale_E11, scale_X1)

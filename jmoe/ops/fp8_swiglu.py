@@ -13,11 +13,17 @@ each row's scale, and the gradient of SwiGLU's output:
       asked, dh * fold_X[row] / fold_scale in `dtype` (the float8 weight gradient's operand, the
       rows' scales folded in) or dh in bf16 (the 16-bit weight gradient's)
 
+The forward pass likewise: `swiglu_quantized` makes the hidden silu(gate) * up from h and
+quantizes it per row for the down projection in one kernel, a few rows per program, over each
+row twice (its amax, then its float8 values, the second time from L2); through XLA that was a
+fusion writing the hidden in bf16 with its row amaxes, and the quantization reading it again.
+
 Row x's gate and up are bf16(h[x, :F] * scale[x]) and bf16(h[x, F:] * scale[x]) where valid[x],
 else zeros (a kernel may leave rows past the groups unwritten: they are never read as numbers);
-dh is measured and quantized in float32, one rounding fewer than the bf16 dh it replaces. Off the GPU the same arithmetic runs through XLA (`xla_swiglu_grad`), which the kernels are
-held to bit for bit (tests/test_fp8_swiglu.py, in Pallas' interpreter; scripts/check_gpu_fp8.py
-on the GPU).
+dh is measured and quantized in float32, one rounding fewer than the bf16 dh it replaces. Off
+the GPU the same arithmetic runs through XLA (`xla_swiglu_grad`, `swiglu_quantized`'s own),
+which the kernels are held to bit for bit (tests/test_fp8_swiglu.py, in Pallas' interpreter;
+scripts/check_gpu_fp8.py on the GPU).
 """
 
 from __future__ import annotations
@@ -25,9 +31,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.ops.fp8 import quantize
+from jmoe.ops.fp8 import E4M3, quantize, scale_for
 
 BLOCK_ROWS = 8
+# The forward kernel's rows per program: each reads its rows twice, the second time from L2, so
+# the rows the resident programs hold must fit in it (Mixtral-8x7B: 56 KiB of h a row).
+FORWARD_BLOCK_ROWS = 2
 # Triton addresses an operand with 32-bit signed offsets (jmoe/ops/fp8_transpose.py): larger
 # operands take the XLA path.
 MAX_ELEMENTS = 2**31 - 1
@@ -63,6 +72,26 @@ def gate_and_up(h_X2F: jax.Array, scale_X: jax.Array, valid_X: jax.Array):
   f = h_X2F.shape[1] // 2
   h_X2F = scaled_rows(h_X2F, scale_X, valid_X)
   return h_X2F[:, :f], h_X2F[:, f:]
+
+
+def hidden_of(g, u):
+  """silu(g) * u for gate and up as float32, rounded to bf16 (kept in float32)."""
+  return round_to_bf16(g * (1.0 / (1.0 + jnp.exp(-g))) * u)
+
+
+def swiglu_quantized(h_X2F, scale_X, valid_X, *, path: str | None = None):
+  """(hidden_q [X, F] E4M3, its row scales [X] float32, hidden [X, F] bf16): silu(gate) * up
+  from h as the projection's kernel wrote it, rounded to bf16, and quantized per row as
+  jmoe/ops/fp8_grouped.py's `quantize_rows` does; rows not valid are zeros. The bf16 hidden is
+  XLA's (left out of the program where nothing reads it). `path`: as for `swiglu_grad_amax`."""
+  hidden = hidden_of(*gate_and_up(h_X2F, scale_X, valid_X))
+  path = _path(h_X2F, path)
+  if path == "xla":
+    scale_X = scale_for(jnp.max(jnp.abs(hidden), axis=1), E4M3)
+    hidden_q = quantize(hidden, scale_X[:, None], E4M3)
+  else:
+    hidden_q, scale_X = _forward_call(h_X2F, scale_X, valid_X, interpret=path == "interpret")
+  return hidden_q, scale_X, hidden.astype(jnp.bfloat16)
 
 
 def xla_swiglu_grad(h_X2F, scale_X, d_XF, valid_X) -> jax.Array:
@@ -186,3 +215,50 @@ def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fo
                         interpret=interpret, name=f"jmoe_swiglu_grad_{mode}")
   return call(*inputs)
 
+
+def _forward_call(h_X2F, scale_X, valid_X, *, interpret=False):
+  """`swiglu_quantized`'s kernel: a program per FORWARD_BLOCK_ROWS rows walks their column tiles
+  for the rows' amax of the hidden, then again to write its float8 values. Returns (hidden_q,
+  row scales)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+
+  rows, f = h_X2F.shape[0], h_X2F.shape[1] // 2
+  br, bc = FORWARD_BLOCK_ROWS, block_cols(f)
+  tiles = pl.cdiv(f, bc)
+
+  def kernel(h_ref, s_ref, v_ref, q_ref, qs_ref):
+    r = pl.ds(pl.program_id(0) * br, br)
+    in_r_B = pl.program_id(0) * br + jnp.arange(br) < rows
+    scale_B = plgpu.load(s_ref.at[r], mask=in_r_B, other=0.0)
+    valid_B = plgpu.load(v_ref.at[r], mask=in_r_B, other=0) != 0
+
+    def hidden(j):
+      mask = in_r_B[:, None] & (j * bc + jnp.arange(bc) < f)[None, :]
+      tile = lambda start: plgpu.load(h_ref.at[r, pl.ds(start, bc)], mask=mask, other=0.0)
+      g = scaled_rows(tile(j * bc), scale_B, valid_B)  # as `gate_and_up`
+      u = scaled_rows(tile(f + j * bc), scale_B, valid_B)
+      return hidden_of(g, u), mask
+
+    def top(j, top_B):
+      v, _ = hidden(j)
+      return jnp.maximum(top_B, jnp.max(jnp.abs(v), axis=1))
+
+    q_scale_B = scale_for(jax.lax.fori_loop(0, tiles, top, jnp.zeros((br,), jnp.float32)),
+                          E4M3)
+    plgpu.store(qs_ref.at[r], q_scale_B, mask=in_r_B)
+
+    def write(j, carry):
+      v, mask = hidden(j)
+      plgpu.store(q_ref.at[r, pl.ds(j * bc, bc)], quantize(v, q_scale_B[:, None], E4M3),
+                  mask=mask)
+      return carry
+
+    jax.lax.fori_loop(0, tiles, write, 0)
+
+  call = pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct((rows, f), E4M3),
+                                           jax.ShapeDtypeStruct((rows,), jnp.float32)],
+                        grid=(pl.cdiv(rows, br),),
+                        compiler_params=plgpu.CompilerParams(num_warps=4),
+                        interpret=interpret, name="jmoe_swiglu_quantized")
+  return call(h_X2F, scale_X.astype(jnp.float32), valid_X.astype(jnp.int32))

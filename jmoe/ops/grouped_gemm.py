@@ -52,8 +52,9 @@ class GroupedGemm:
   # scales), so that a caller may quantize the rows before gathering them and hand them over.
   quantize_rows: Callable[[jax.Array], tuple[jax.Array, jax.Array]] | None = None
   # In FP8: the first projection and SwiGLU as one op, (x_XD, w_ED2F, group_sizes_E, quantized)
-  # -> silu(gate) * up [X, F], whose backward pass quantizes d(gate, up) as it makes it
-  # (`grouped_fp8_swiglu`); None where the projection and the activation run apart.
+  # -> (silu(gate) * up [X, F], its rows quantized as `quantize_rows` makes them), whose
+  # backward pass quantizes d(gate, up) as it makes it (`grouped_fp8_swiglu`); None where the
+  # projection and the activation run apart.
   swiglu: Callable[..., jax.Array] | None = None
   # In FP8 on per-expert weight scales: it (and `swiglu`) takes each expert's weight amax,
   # `w_amax_E`, made beforehand (jmoe/ops/fp8.py `WeightAmax`), instead of reading the weight.
