@@ -14,9 +14,9 @@ each row's scale, and the gradient of SwiGLU's output:
       rows' scales folded in) or dh in bf16 (the 16-bit weight gradient's)
 
 The forward pass likewise: `swiglu_quantized` makes the hidden silu(gate) * up from h and
-quantizes it per row for the down projection in one kernel, a few rows per program, over each
-row twice (its amax, then its float8 values, the second time from L2); through XLA that was a
-fusion writing the hidden in bf16 with its row amaxes, and the quantization reading it again.
+quantizes it per row for the down projection in one kernel, whole rows per program held in
+registers, so h is read once; through XLA that was a fusion writing the hidden in bf16 with
+its row amaxes, and the quantization reading it again.
 
 Row x's gate and up are bf16(h[x, :F] * scale[x]) and bf16(h[x, F:] * scale[x]) where valid[x],
 else zeros (a kernel may leave rows past the groups unwritten: they are never read as numbers);
@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from jmoe.ops.fp8 import E4M3, quantize, scale_for
 
 BLOCK_ROWS = 8
-# The forward kernel's rows per program: each reads its rows twice, the second time from L2, so
-# the rows the resident programs hold must fit in it (Mixtral-8x7B: 56 KiB of h a row).
-FORWARD_BLOCK_ROWS = 2
+# The forward kernel's elements of the hidden per program (whole rows, held in registers: 32 of
+# gate's, up's and the hidden's a thread at 16 warps); wider rows take the XLA path.
+FORWARD_BLOCK = 16384
 # Triton addresses an operand with 32-bit signed offsets (jmoe/ops/fp8_transpose.py): larger
 # operands take the XLA path.
 MAX_ELEMENTS = 2**31 - 1
@@ -83,10 +83,11 @@ def swiglu_quantized(h_X2F, scale_X, valid_X, *, path: str | None = None):
   """(hidden_q [X, F] E4M3, its row scales [X] float32, hidden [X, F] bf16): silu(gate) * up
   from h as the projection's kernel wrote it, rounded to bf16, and quantized per row as
   jmoe/ops/fp8_grouped.py's `quantize_rows` does; rows not valid are zeros. The bf16 hidden is
-  XLA's (left out of the program where nothing reads it). `path`: as for `swiglu_grad_amax`."""
+  XLA's (left out of the program where nothing reads it). `path`: as for `swiglu_grad_amax`
+  (XLA for rows wider than FORWARD_BLOCK)."""
   hidden = hidden_of(*gate_and_up(h_X2F, scale_X, valid_X))
   path = _path(h_X2F, path)
-  if path == "xla":
+  if path == "xla" or h_X2F.shape[1] // 2 > FORWARD_BLOCK:
     scale_X = scale_for(jnp.max(jnp.abs(hidden), axis=1), E4M3)
     hidden_q = quantize(hidden, scale_X[:, None], E4M3)
   else:
@@ -217,48 +218,38 @@ def _call(h_X2F, scale_X, d_XF, valid_X, *, mode, q_scale_X=None, dtype=None, fo
 
 
 def _forward_call(h_X2F, scale_X, valid_X, *, interpret=False):
-  """`swiglu_quantized`'s kernel: a program per FORWARD_BLOCK_ROWS rows walks their column tiles
-  for the rows' amax of the hidden, then again to write its float8 values. Returns (hidden_q,
-  row scales)."""
+  """`swiglu_quantized`'s kernel: each program holds whole rows of the hidden in registers
+  (FORWARD_BLOCK elements: one row of Mixtral-8x7B's 14,336, sixteen of Qwen3-30B-A3B's 768,
+  padded to a power of two), takes their amaxes and writes their float8 values, so h is read
+  once. Returns (hidden_q, row scales)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
 
   rows, f = h_X2F.shape[0], h_X2F.shape[1] // 2
-  br, bc = FORWARD_BLOCK_ROWS, block_cols(f)
-  tiles = pl.cdiv(f, bc)
+  width = 1 << (f - 1).bit_length()  # f padded to a power of two
+  br = max(1, FORWARD_BLOCK // width)
 
   def kernel(h_ref, s_ref, v_ref, q_ref, qs_ref):
     r = pl.ds(pl.program_id(0) * br, br)
     in_r_B = pl.program_id(0) * br + jnp.arange(br) < rows
+    mask = in_r_B[:, None] & (jnp.arange(width) < f)[None, :]
     scale_B = plgpu.load(s_ref.at[r], mask=in_r_B, other=0.0)
     valid_B = plgpu.load(v_ref.at[r], mask=in_r_B, other=0) != 0
-
-    def hidden(j):
-      mask = in_r_B[:, None] & (j * bc + jnp.arange(bc) < f)[None, :]
-      tile = lambda start: plgpu.load(h_ref.at[r, pl.ds(start, bc)], mask=mask, other=0.0)
-      g = scaled_rows(tile(j * bc), scale_B, valid_B)  # as `gate_and_up`
-      u = scaled_rows(tile(f + j * bc), scale_B, valid_B)
-      return hidden_of(g, u), mask
-
-    def top(j, top_B):
-      v, _ = hidden(j)
-      return jnp.maximum(top_B, jnp.max(jnp.abs(v), axis=1))
-
-    q_scale_B = scale_for(jax.lax.fori_loop(0, tiles, top, jnp.zeros((br,), jnp.float32)),
-                          E4M3)
+    # (the padded tile reaches past h's last column: the mask keeps the load inside it; a start
+    # known only at run time keeps the slice's own bounds check, which has no mask, out of it)
+    start = lambda half: half * f + 0 * pl.program_id(0)
+    tile = lambda half: plgpu.load(h_ref.at[r, pl.ds(start(half), width)], mask=mask, other=0.0)
+    g = scaled_rows(tile(0), scale_B, valid_B)  # as `gate_and_up`
+    u = scaled_rows(tile(1), scale_B, valid_B)
+    v = hidden_of(g, u)
+    q_scale_B = scale_for(jnp.max(jnp.abs(v), axis=1), E4M3)
     plgpu.store(qs_ref.at[r], q_scale_B, mask=in_r_B)
-
-    def write(j, carry):
-      v, mask = hidden(j)
-      plgpu.store(q_ref.at[r, pl.ds(j * bc, bc)], quantize(v, q_scale_B[:, None], E4M3),
-                  mask=mask)
-      return carry
-
-    jax.lax.fori_loop(0, tiles, write, 0)
+    plgpu.store(q_ref.at[r, pl.ds(start(0), width)], quantize(v, q_scale_B[:, None], E4M3),
+                mask=mask)
 
   call = pl.pallas_call(kernel, out_shape=[jax.ShapeDtypeStruct((rows, f), E4M3),
                                            jax.ShapeDtypeStruct((rows,), jnp.float32)],
                         grid=(pl.cdiv(rows, br),),
-                        compiler_params=plgpu.CompilerParams(num_warps=4),
+                        compiler_params=plgpu.CompilerParams(num_warps=16),
                         interpret=interpret, name="jmoe_swiglu_quantized")
   return call(h_X2F, scale_X.astype(jnp.float32), valid_X.astype(jnp.int32))
