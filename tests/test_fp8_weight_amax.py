@@ -147,3 +147,17 @@ def test_stored_amax_is_the_largest_stored_magnitude(dtype):
   np.testing.assert_array_equal(np.asarray(got), np.abs(stored).max(axis=-1))
   assert float(got[0]) == float(np.float32(np.asarray(wide[0, 7].astype(dtype)))) * -1
   assert np.isnan(float(stored_amax(wide.at[2, 2].set(np.nan).astype(dtype))))
+
+
+def test_kept_amax_gives_the_same_gradients_through_pipeline_stages():
+  """1F1B over two stages (the layers' amaxes split with their weights): the gradients of reading
+  the amax at each use, bit for bit."""
+  import dataclasses
+  from test_pipeline import config_for, gradients
+  base = config_for(dict(pipeline=2, pipeline_schedule="1f1b", dense=dict(data=4),
+                         expert=dict(data=4)))
+  runs = [gradients(dataclasses.replace(base, precision=dataclasses.replace(
+      base.precision, **dict(FP8, fp8_weight_amax=mode))), jax.devices()) for mode in
+      ("kept", "each_use")]
+  assert runs[0][1]["loss"] == runs[1][1]["loss"]
+  jax.tree.map(np.testing.assert_array_equal, runs[0][0], runs[1][0])
