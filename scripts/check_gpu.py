@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
   if args.fp8:
     from check_gpu_fp8 import FP8_SHAPES, fp8_jobs
     shapes = [s for s in FP8_SHAPES if not args.shapes or s in args.shapes.split(",")]
-    results += run_jobs(fp8_jobs(args.rows, shapes), args.workers)
+    results += run_jobs(fp8_jobs(args.rows, shapes, timed=args.workers == 1), args.workers)
   if not args.no_attention and not args.quick:
     from check_gpu_attention import check_attention
     for r in check_attention():
