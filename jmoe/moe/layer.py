@@ -93,8 +93,8 @@ class MoE(nnx.Module):
     # FP8 on per-expert weight scales, in a train state: each weight's amax kept by the step.
     kept = (fp8 is not None and fp8.experts and fp8.kept_weight_amax and not fp8.blockwise
             and not cfg.expert_blocks and has_fp8_kernels(cfg.gemm))
-    self.amax_in_E = WeightAmax(self._amax(self.w_in_ED2F, 3), axes=(None,)) if kept else None
-    self.amax_out_E = WeightAmax(self._amax(self.w_out_EFD, 2), axes=(None,)) if kept else None
+    self.amax_in_E, self.amax_out_E = ((WeightAmax(a, axes=(None,)) for a in self._amaxes())
+                                       if kept else (None, None))
     # LoRA on the experts: a factor pair per expert and projection, keyed by its weight's name.
     on = lora is not None and lora.applies_to("experts")
     factors = lambda w: nnx.Dict(zip("ab", lora_factors(
@@ -137,19 +137,19 @@ class MoE(nnx.Module):
     """Sets the kept amaxes (if the layer has them) from the expert weights as they are now: as
     the forward pass would read them from the weights in the compute dtype."""
     if self.amax_in_E is not None:
-      self.amax_in_E[...] = self._amax(self.w_in_ED2F, 3)
-      self.amax_out_E[...] = self._amax(self.w_out_EFD, 2)
+      self.amax_in_E[...], self.amax_out_E[...] = self._amaxes()
 
-  def _amax(self, w: nnx.Param, trailing: int) -> jax.Array:
-    """Each expert's amax of `w` [..., E, `trailing` weight axes] (a stack's layers leading) in
-    the compute dtype, as the forward pass finds it (`stored_amax`): [..., E]. First each
-    row's (the last, contiguous axis), then theirs: XLA fuses the rows' maxima into the
-    optimizer update's pass over the weight as a row reduction; left to itself it reduced
-    across rows there, a kernel that took 54 ms a step on Mixtral-8x7B's bench (one H100), more
-    than the update itself."""
-    rows = stored_amax(w[...].astype(self.dtype), axis=-1)
-    rows = jax.lax.optimization_barrier(rows)  # (else XLA merges the two reductions into one)
-    return jnp.max(rows, axis=tuple(range(1 - trailing, 0)))
+  def _amaxes(self) -> tuple[jax.Array, jax.Array]:
+    """Each expert's amax of w_in and of w_out ([..., E], a stack's layers leading) in the
+    compute dtype, as the forward pass finds it (`stored_amax`). First each row's (the last,
+    contiguous axis), then theirs: XLA fuses the rows' maxima into the optimizer update's pass
+    over the weight as a row reduction; left to itself it reduced across rows there, a kernel
+    that took 54 ms a step on Mixtral-8x7B's bench (one H100), more than the update itself."""
+    def of(w: nnx.Param, trailing: int) -> jax.Array:  # w [..., E, `trailing` weight axes]
+      rows = stored_amax(w[...].astype(self.dtype), axis=-1)
+      rows = jax.lax.optimization_barrier(rows)  # (else XLA merges the two reductions)
+      return jnp.max(rows, axis=tuple(range(1 - trailing, 0)))
+    return of(self.w_in_ED2F, 3), of(self.w_out_EFD, 2)
 
   def _dispatcher(self, axes: ExpertAxes, num_local: int, local: bool) -> Dispatcher:
     """The configured dispatcher; with no expert axes every expert is here (or on the devices

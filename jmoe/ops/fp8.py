@@ -99,6 +99,13 @@ def quantize(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
   return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
 
 
+def quantize_rows(x_XD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(x_q, scale_X1): x in E4M3 with one float32 scale per row, as the grouped FP8 GEMMs
+  quantize their input (jmoe/ops/fp8_grouped.py)."""
+  scale_X1 = scale_for(amax(x_XD, axis=1, keepdims=True), E4M3)
+  return quantize(x_XD, scale_X1, E4M3), scale_X1
+
+
 # --- dense GEMMs: y = x . w, contracting x's last n axes with w's first n axes ---
 
 

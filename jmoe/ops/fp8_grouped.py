@@ -14,7 +14,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, scale_for
+from jmoe.ops.fp8 import E4M3, FORMATS, amax, quantize, quantize_rows, scale_for
 from jmoe.ops.fp8_swiglu import swiglu_grad_amax, swiglu_grad_quantized, swiglu_quantized
 from jmoe.ops.rows import row_groups, take_rows
 
@@ -227,13 +227,6 @@ def at_this_layer(weight_scale, rows_scale):
   Qwen3-30B-A3B bench compiled for an H200, two or three layers' copies at a time, and 1.9 GiB
   more of XLA's temporary memory than the bf16 step (scripts/compile_for_gpu.py)."""
   return jax.lax.optimization_barrier((weight_scale, rows_scale))
-
-
-def quantize_rows(x_XD: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(x_q, scale_X1): x in E4M3 with one float32 scale per row, as `grouped_fp8` quantizes its
-  input."""
-  scale_X1 = scale_for(amax(x_XD, axis=1, keepdims=True), E4M3)
-  return quantize(x_XD, scale_X1, E4M3), scale_X1
 
 
 def _varying_like(w, x):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jmoe.ops.fp8 import E4M3, quantize, scale_for
+from jmoe.ops.fp8 import E4M3, quantize, quantize_rows, scale_for
 
 BLOCK_ROWS = 8
 # The forward kernel's elements of the hidden per program (whole rows, held in registers: 32 of
@@ -88,8 +88,8 @@ def swiglu_quantized(h_X2F, scale_X, valid_X, *, path: str | None = None):
   hidden = hidden_of(*gate_and_up(h_X2F, scale_X, valid_X))
   path = _path(h_X2F, path)
   if path == "xla" or h_X2F.shape[1] // 2 > FORWARD_BLOCK:
-    scale_X = scale_for(jnp.max(jnp.abs(hidden), axis=1), E4M3)
-    hidden_q = quantize(hidden, scale_X[:, None], E4M3)
+    hidden_q, scale_X1 = quantize_rows(hidden)
+    scale_X = scale_X1[:, 0]
   else:
     hidden_q, scale_X = _forward_call(h_X2F, scale_X, valid_X, interpret=path == "interpret")
   return hidden_q, scale_X, hidden.astype(jnp.bfloat16)

@@ -9,8 +9,6 @@ import json
 import logging
 import pathlib
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jmoe.checkpoint import Checkpointer
@@ -19,7 +17,7 @@ from jmoe.config import Config, ConfigError
 from jmoe.config.resume import HELD, changed, model_settings, recorded, saved_with
 from jmoe.ops.fp8 import Fp8History, WeightAmax
 from jmoe.parallel import Layout
-from jmoe.train.state import StateSpec, TrainState, frozen
+from jmoe.train.state import StateSpec, TrainState, frozen, placed_zeros
 
 log = logging.getLogger("jmoe")
 
@@ -82,8 +80,7 @@ def initial_state(config: Config, spec: StateSpec, checkpointer: Checkpointer
     run_state = lambda tree: nnx.split_state(tree, nnx.Any(Fp8History, WeightAmax), ...)
     started, rest = run_state(spec.abstract.rest)
     run_shardings, rest_shardings = run_state(spec.shardings.rest)
-    started = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), started,
-                           run_shardings)
+    started = placed_zeros(started, run_shardings)
     if config.lora.rank:  # the model's variables all in `rest`; the adapters new
       base = _frozen_model(config, spec, whole=True)
       state = spec.init_from(spec.init_adapters(), nnx.merge_state(base, started))

@@ -28,6 +28,11 @@ class TrainState:
   opt_state: Any
 
 
+def placed_zeros(abstract: Any, shardings: Any) -> Any:
+  """Zeros shaped as `abstract`'s ShapeDtypeStructs, each placed by its sharding in `shardings`."""
+  return jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s), abstract, shardings)
+
+
 def trainable(config: Config):
   """The filter of the variables that train: with lora.rank > 0 the adapters, else every
   parameter."""
@@ -57,8 +62,7 @@ class StateSpec:
     """`state` with the kept weight amaxes made from its parameters: the ones it has replaced,
     or added where it has none (a checkpoint holds none: they are derived from the parameters,
     and parameters read from elsewhere bring none)."""
-    zeros = jax.tree.map(lambda a, s: jnp.zeros(a.shape, a.dtype, device=s),
-                         nnx.filter_state(self.abstract.rest, WeightAmax),
+    zeros = placed_zeros(nnx.filter_state(self.abstract.rest, WeightAmax),
                          nnx.filter_state(self.shardings.rest, WeightAmax))
     if not jax.tree.leaves(zeros):
       return state
