@@ -108,12 +108,18 @@ def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[
   trainer's data, put on the devices beforehand: the loop's steps each route a new batch, and
   how evenly a batch's tokens spread over the experts changes a step's time (probes before
   2026-12-04 repeated one batch). `keep`: the trainer goes on from the state reached;
-  else the steps run on a copy (one more state on the device for the while)."""
+  else the steps run on a copy (one more state on the devices for the while), or where the
+  devices lack room for one (the Qwen3 bench's 31.3 GiB state beside its step on an 80 GB H100),
+  on the state itself while a copy of it waits in host memory, put back after."""
   import jax
-  import jax.numpy as jnp
+  from jmoe.checkpoint.manager import device_copy
   batches = jax.block_until_ready(
       [trainer.data.next_batch() for _ in range(max(warmup, repeats))])
-  state = trainer.state if keep else jax.tree.map(jnp.copy, trainer.state)
+  stashed = None
+  state = trainer.state if keep else device_copy(trainer.state)
+  if state is None:
+    state = trainer.state
+    stashed = (jax.device_get(state), jax.tree.map(lambda x: x.sharding, state))
   for _ in range(warmup):
     state, _ = trainer._step_fn(state, batches[0])
   jax.block_until_ready(state)
@@ -128,4 +134,6 @@ def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[
   else:
     for x in jax.tree.leaves(state):
       x.delete()
+    if stashed is not None:
+      trainer.state = jax.block_until_ready(jax.device_put(*stashed))
   return seconds, clocks

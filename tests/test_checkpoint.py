@@ -278,17 +278,18 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
   """A save written in the background (training goes on beside it: copied on the devices first,
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
-  one context for all its arrays; one that training waits for (`waited`, or a Checkpointer
-  without async saves) through TensorStore's own; all read back whole. The default leaves two of
-  the cores this process may use to training."""
+  one context for all its arrays, compressed; one that training waits for (`waited`, or a
+  Checkpointer without async saves) through TensorStore's own, uncompressed (the zarr metadata
+  on disk says which); all read back whole, the two kinds side by side in one directory. The
+  default leaves two of the cores this process may use to training."""
   import orbax.checkpoint as ocp
   from jmoe.checkpoint import manager, writer
   pools, contexts = [], set()
   parent = ocp.type_handlers.ArrayHandler.serialize
 
   async def seen(self, values, infos, args=None):
-    pools.extend({k: v.get("limit") for k, v in info.ts_context.spec.to_json().items()
-                  if k.endswith("_concurrency")} for info in infos)
+    pools.extend(({k: v.get("limit") for k, v in info.ts_context.spec.to_json().items()
+                   if k.endswith("_concurrency")}, info.use_compression) for info in infos)
     contexts.update(id(info.ts_context) for info in infos)
     return await parent(self, values, infos, args)
 
@@ -302,10 +303,10 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   own = {"file_io_concurrency": 128}  # (Orbax's setting; data copies: one thread per core)
   in_background = Checkpointer(tmp_path / "a", keep=3, write_threads=3)
   in_foreground = Checkpointer(tmp_path / "f", keep=3, async_save=False, write_threads=3)
-  cases = [(in_background, 1, real_copy, False, True, bounded),  # (copied on the devices)
-           (in_background, 2, None, False, False, bounded),  # (no room: Orbax's own thread)
-           (in_background, 3, real_copy, True, True, own),  # (the run's last save)
-           (in_foreground, 1, real_copy, False, False, own)]
+  cases = [(in_background, 1, real_copy, False, True, (bounded, True)),  # (copied on the devices)
+           (in_background, 2, None, False, False, (bounded, True)),  # (no room: Orbax's own thread)
+           (in_background, 3, real_copy, True, True, (own, False)),  # (the run's last save)
+           (in_foreground, 1, real_copy, False, False, (own, False))]
   for checkpointer, step, copy, waited, threaded, want in cases:
     monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
                         (lambda tree: None))
@@ -315,6 +316,10 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
     assert (checkpointer._thread is not None) == threaded
     checkpointer.wait()
     assert pools == [want] * len(values) and len(contexts) == 1, (step, pools)
+    assert stored_compressors(checkpointer.directory / str(step) / "state") == (
+        {name: want[1] for name in values}), step
+  for checkpointer, step in ((in_background, 1), (in_background, 2), (in_background, 3),
+                             (in_foreground, 1)):
     restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
     for name, array in values.items():
       np.testing.assert_array_equal(restored[name], array)
@@ -325,6 +330,24 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
     assert writer.write_threads(0) == threads
   assert writer.write_threads(5) == 5 and writer.write_threads(None) is None
   assert writer.host_cores() >= 1
+
+
+def stored_compressors(directory) -> dict[str, bool]:
+  """Whether each array of the Orbax item at `directory` is stored compressed, by the zarr
+  metadata in its OCDBT database (what a reader goes by)."""
+  import tensorstore as ts
+  store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{directory}"}).result()
+  found = {}
+  for key in store.list().result():
+    name, _, leaf = key.decode().rpartition("/")
+    if leaf == ".zarray":  # (zarr 2: a compressor or null)
+      found[name] = json.loads(store.read(key).result().value)["compressor"] is not None
+    elif leaf == "zarr.json":  # (zarr 3: the codecs beside "bytes")
+      codecs = json.loads(store.read(key).result().value)["codecs"]
+      names = {c["name"] for c in codecs} | {
+          c["name"] for outer in codecs for c in outer.get("configuration", {}).get("codecs", [])}
+      found[name] = bool(names - {"bytes", "sharding_indexed", "crc32c", "transpose"})
+  return found
 
 
 def test_sigterm_saves_and_the_same_command_resumes(tmp_path):

@@ -180,8 +180,9 @@ class Checkpointer:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
     `step`; returns before the write ends (with async saves, before the arrays reach the host
     where the devices have room for a copy of them). A step that is already saved is left as it
-    is. `waited`: the caller waits for this save (a run's last), so its write takes every core;
-    else a write in the background is held to `write_threads` (jmoe/checkpoint/writer.py).
+    is. `waited`: the caller waits for this save (a run's last), so its write takes every core
+    and is not compressed; else a write in the background is held to `write_threads` and
+    compressed (jmoe/checkpoint/writer.py).
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
@@ -192,7 +193,8 @@ class Checkpointer:
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there.
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None
-    use_array_writer(self._write_threads if self._async and not waited else None)
+    beside = self._async and not waited  # (training goes on while this save is written)
+    use_array_writer(self._write_threads if beside else None, compressed=beside)
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else
