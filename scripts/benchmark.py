@@ -2,7 +2,7 @@
 
   python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
       [--balanced] [--packed] [--profile DIR] [--peer [transformers|torchtitan|all]]
-      [--loop STEPS] [--record FILE]
+      [--loop STEPS [--loop-probes 3]] [--record FILE]
       [--no-xla-flags] [--config.group.key=value ...]
 
 Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
@@ -29,7 +29,9 @@ step's; and the bare step once more on the loop's last state (`loop_end_bare_ste
 time drifts as the model trains), to which `loop_steps_vs_end_step` compares the loop's steps,
 and in the middle of each third of the run on a copy of its state (`loop_probe_bare_step_ms`),
 whose mean `loop_steps_vs_mean_step` compares them with: the bare step over the same states
-(scripts/loop_timing.py); with the GPUs' clocks over the loop's steps (`loop_gpu_sm_clock_mhz`,
+(scripts/loop_timing.py; `--loop-probes N` for N parts, 0 for none: each probe
+takes a few seconds, and where the devices lack room for a copy of the state, a round trip of it
+through host memory); with the GPUs' clocks over the loop's steps (`loop_gpu_sm_clock_mhz`,
 ...) and over each probe (`loop_probe_gpu_sm_clock_mhz`).
 `--record FILE` appends the result to FILE as one JSON line.
 """
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
                       "(hf_peer.py, the default), torchtitan (titan_peer.py) or all")
   parser.add_argument("--loop", type=int, metavar="STEPS",
                       help="then time STEPS steps of jmoe.train's own loop on the same config")
+  parser.add_argument("--loop-probes", type=int, default=3, metavar="N",
+                      help="with --loop: time the bare step in the middle of each of N parts of "
+                           "the loop (0: only at its end)")
   parser.add_argument("--record", metavar="FILE", help="append the result as a JSON line")
   parser.add_argument("--hlo", metavar="FILE",
                       help="also write the compiled step's program (XLA's HLO text) to FILE")
@@ -189,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
+  if args.loop_probes < 0:
+    parser.error(f"--loop-probes {args.loop_probes}: give 0 or more")
   if args.loop is not None and args.loop <= args.warmup:
     parser.error(f"--loop {args.loop} leaves no step to time after --warmup {args.warmup}")
   refused = run(lambda: check_outputs(args))  # before anything is compiled or timed
@@ -292,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.loop:
       for x in jax.tree.leaves(state):  # the loop builds a state of its own
         x.delete()
-      record.update(loop_figures(config, args.loop, args.warmup))
+      record.update(loop_figures(config, args.loop, args.warmup, args.loop_probes))
       record["loop_vs_step"] = round(record["loop_tokens_per_s"] / (tokens_per_s * devices), 3)
       record["loop_steps_vs_step"] = round(
           record["loop_tokens_per_s_steps"] / (tokens_per_s * devices), 3)

@@ -1242,6 +1242,8 @@ def test_scripts_check_their_outputs_first(tmp_path):
        "--record .* is a directory; this command writes a file there"),
       (benchmark.main, ["--config", CONFIG, "--profile", str(png)],
        "--profile .*load.png is a file; this command writes a directory there"),
+      (benchmark.main, ["--config", CONFIG, "--loop", "4", "--loop-probes", "-1"],
+       "--loop-probes -1: give 0 or more"),
       (tune_gemm.main, ["--config", CONFIG, "--out", str(tmp_path)],
        "is a directory; this command writes a file there")]:
     refused(run(main, *argv), message)
