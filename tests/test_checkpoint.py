@@ -279,8 +279,8 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   """A save written in the background (training goes on beside it: copied on the devices first,
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
   one context for all its arrays, compressed; one that training waits for (`waited`, or a
-  Checkpointer without async saves) through TensorStore's own, uncompressed (the zarr metadata
-  on disk says which); all read back whole, the two kinds side by side in one directory. The
+  Checkpointer without async saves) through TensorStore's own, uncompressed unless
+  `compress_waited` (the zarr metadata on disk says which); all read back whole, the two kinds side by side in one directory. The
   default leaves two of the cores this process may use to training."""
   import orbax.checkpoint as ocp
   from jmoe.checkpoint import manager, writer
@@ -303,10 +303,12 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   own = {"file_io_concurrency": 128}  # (Orbax's setting; data copies: one thread per core)
   in_background = Checkpointer(tmp_path / "a", keep=3, write_threads=3)
   in_foreground = Checkpointer(tmp_path / "f", keep=3, async_save=False, write_threads=3)
+  compressing = Checkpointer(tmp_path / "c", keep=3, write_threads=3, compress_waited=True)
   cases = [(in_background, 1, real_copy, False, True, (bounded, True)),  # (copied on the devices)
            (in_background, 2, None, False, False, (bounded, True)),  # (no room: Orbax's own thread)
            (in_background, 3, real_copy, True, True, (own, False)),  # (the run's last save)
-           (in_foreground, 1, real_copy, False, False, (own, False))]
+           (in_foreground, 1, real_copy, False, False, (own, False)),
+           (compressing, 1, real_copy, True, True, (own, True))]  # (checkpoint.compress_waited)
   for checkpointer, step, copy, waited, threaded, want in cases:
     monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
                         (lambda tree: None))
@@ -319,12 +321,12 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
     assert stored_compressors(checkpointer.directory / str(step) / "state") == (
         {name: want[1] for name in values}), step
   for checkpointer, step in ((in_background, 1), (in_background, 2), (in_background, 3),
-                             (in_foreground, 1)):
+                             (in_foreground, 1), (compressing, 1)):
     restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
     for name, array in values.items():
       np.testing.assert_array_equal(restored[name], array)
-  in_background.close()
-  in_foreground.close()
+  for checkpointer in (in_background, in_foreground, compressing):
+    checkpointer.close()
   for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (1, 1)):
     monkeypatch.setattr(writer, "host_cores", lambda: cores)
     assert writer.write_threads(0) == threads

@@ -131,11 +131,12 @@ def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory
 class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
-               write_threads: int | None = 0):
+               write_threads: int | None = 0, compress_waited: bool = False):
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()  # (before Orbax's handlers are made: without it a later save's writer
     # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
     self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
+    self._compress_waited = compress_waited  # (writes beside training are always compressed)
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -181,7 +182,7 @@ class Checkpointer:
     `step`; returns before the write ends (with async saves, before the arrays reach the host
     where the devices have room for a copy of them). A step that is already saved is left as it
     is. `waited`: the caller waits for this save (a run's last), so its write takes every core
-    and is not compressed; else a write in the background is held to `write_threads` and
+    and is compressed only with `compress_waited`; else a write in the background is held to `write_threads` and
     compressed (jmoe/checkpoint/writer.py).
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
@@ -194,7 +195,8 @@ class Checkpointer:
     # collectives, which must not run beside a step's from another thread: foreground there.
     copy = device_copy(state) if self._async and jax.process_count() == 1 else None
     beside = self._async and not waited  # (training goes on while this save is written)
-    use_array_writer(self._write_threads if beside else None, compressed=beside)
+    use_array_writer(self._write_threads if beside else None,
+                     compressed=beside or self._compress_waited)
     if self._async and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else

@@ -354,6 +354,10 @@ class CheckpointConfig:
   # the background; 0: half the process's cores less one, so that training keeps two of them
   # (jmoe/checkpoint/writer.py). A save that training waits for (the last) takes every core.
   write_threads: int = 0
+  # A save that training waits for (the run's last, a stop signal's, each without async_save) is
+  # written uncompressed, its wait the shorter (3.9 against 6.3 s for a 31.3 GiB state), unless
+  # this is set: then it takes 28% less room on disk. Saves in the background are compressed.
+  compress_waited: bool = False
   # A model checkpoint or training workdir whose model variables (not optimizer state or step)
   # start this run; used only when the workdir has no checkpoint of its own yet.
   load_params: str = ""

@@ -103,7 +103,8 @@ class Trainer:
     self.data = DataPipeline(config, layout)  # first: bad data input stops before anything loads
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save,
-                                     write_threads=config.checkpoint.write_threads)
+                                     write_threads=config.checkpoint.write_threads,
+                                     compress_waited=config.checkpoint.compress_waited)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
       self._record = run_record(config, self.state)
