@@ -280,8 +280,9 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
   one context for all its arrays, compressed; one that training waits for (`waited`, or a
   Checkpointer without async saves) through TensorStore's own, uncompressed unless
-  `compress_waited` (the zarr metadata on disk says which); all read back whole, the two kinds side by side in one directory. The
-  default leaves two of the cores this process may use to training."""
+  `compress_waited` (the zarr metadata on disk says which); all read back whole, the two kinds
+  side by side in one directory. The default leaves two of the cores this process may use to
+  training."""
   import orbax.checkpoint as ocp
   from jmoe.checkpoint import manager, writer
   pools, contexts = [], set()

@@ -182,8 +182,8 @@ class Checkpointer:
     `step`; returns before the write ends (with async saves, before the arrays reach the host
     where the devices have room for a copy of them). A step that is already saved is left as it
     is. `waited`: the caller waits for this save (a run's last), so its write takes every core
-    and is compressed only with `compress_waited`; else a write in the background is held to `write_threads` and
-    compressed (jmoe/checkpoint/writer.py).
+    and is compressed only with `compress_waited`; else a write in the background is held to
+    `write_threads` and compressed (jmoe/checkpoint/writer.py).
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return

@@ -17,9 +17,8 @@ default 7 there: the two pools together leave two cores) and is compressed (zstd
 training waits for (a foreground save, the run's last, the one on a stop signal) takes
 TensorStore's own and is written uncompressed (unless `checkpoint.compress_waited`), as nothing
 runs beside it: the 31.3 GiB state above took 3.9 s so against 6.3 compressed, for 39% more
-room on disk. Each
-array's zarr metadata names its codecs, so a reader needs no option, and steps written either
-way share one directory.
+room on disk. Each array's zarr metadata names its codecs, so a reader needs no option, and
+steps written either way share one directory.
 """
 
 from __future__ import annotations
@@ -50,18 +49,18 @@ def write_threads(setting: int | None) -> int | None:
 
 def use_array_writer(threads: int | None = None, *, compressed: bool = True) -> None:
   """Registers jmoe's writer of jax.Arrays with Orbax: `ArrayWriter` with
-  `write_threads(threads)` and `compressed`, and with replicas, each process holding one writes a share
-  (`use_replica_parallel`) only when there are several processes. Within one process the shares
-  would only cost a compiled slice of every replicated array at the first save (Orbax's default
-  shares everywhere but on a platform named "gpu" or "cuda" in JAX_PLATFORMS)."""
+  `write_threads(threads)` and `compressed`, and with replicas, each process holding one writes
+  a share (`use_replica_parallel`) only when there are several processes. Within one process
+  the shares would only cost a compiled slice of every replicated array at the first save
+  (Orbax's default shares everywhere but on a platform named "gpu" or "cuda" in JAX_PLATFORMS)."""
   _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed)
 
 
 class ArrayWriter(ocp.type_handlers.ArrayHandler):
   """Orbax's writer of jax.Arrays with each of TensorStore's pools held to `threads` (None:
-  TensorStore's own), and without zstd unless `compressed`. The jax.Arrays of a save share one TensorStore context (so one OCDBT
-  database per process and step, as with Orbax's own writer): jmoe's train states hold
-  jax.Arrays only, and its saves run one at a time."""
+  TensorStore's own), and without zstd unless `compressed`. The jax.Arrays of a save share one
+  TensorStore context (so one OCDBT database per process and step, as with Orbax's own writer):
+  jmoe's train states hold jax.Arrays only, and its saves run one at a time."""
 
   def __init__(self, *, threads: int | None, compressed: bool = True, **kwargs):
     super().__init__(**kwargs)

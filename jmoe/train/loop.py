@@ -259,7 +259,8 @@ class Trainer:
   def save(self, waited: bool = False) -> pathlib.Path:
     """A checkpoint of the current step (in the background with `checkpoint.async_save`), never
     of non-finite parameters (`Diverged` then). `waited`: the caller waits for it (the run's last,
-    a stop signal's), so its write takes every core rather than `checkpoint.write_threads`."""
+    a stop signal's), so its write takes every core rather than `checkpoint.write_threads`, and
+    is not compressed unless `checkpoint.compress_waited`."""
     if self._saved != self.step:
       self.health.check()
       if not all_finite(self.state.params):
