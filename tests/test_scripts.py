@@ -480,3 +480,35 @@ def test_the_gpu_checks_attention_cases_load_apart_from_the_gemm_checks():
   attention = scripts_module("check_gpu_attention")
   assert set(attention.QUICK_ATTENTION) <= set(attention.ATTENTION_CASES)
   assert len(attention.attention_jobs(attention.ATTENTION_CASES)) == len(attention.ATTENTION_CASES)
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, monkeypatch, room):
+  """scripts/loop_timing.py's probe (`keep=False`) times steps on a copy of the trainer's state,
+  on the devices where they have room for one, else on the state itself while a copy waits in
+  host memory: either way the trainer's state after it is the one before, bit for bit, on the
+  same devices, and the loop goes on from it."""
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import jax
+  import loop_timing
+  from helpers import tiny_config
+  from jmoe.checkpoint import manager
+  from jmoe.train.loop import Trainer
+  real_copy = manager.device_copy
+  copies = []
+  monkeypatch.setattr(manager, "device_copy", lambda tree: copies.append(tree) or (real_copy(
+      tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}) if room else None))
+  config = tiny_config(train=dict(steps=4, log_every=1))
+  with Trainer(config, tmp_path, progress=False) as trainer:
+    trainer.train(2)
+    before = jax.tree.leaves(trainer.state)
+    values = [np.asarray(x) for x in before]
+    seconds, _ = loop_timing.bare_step_s(trainer, 1, keep=False, repeats=2)
+    after = jax.tree.leaves(trainer.state)
+    assert seconds > 0 and len(copies) == 1
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(values, after))
+    assert [x.sharding for x in after] == [x.sharding for x in before]
+    # where the copy was the probe's, the loop's own arrays were never touched
+    assert all(a is b for a, b in zip(before, after)) == room
+    trainer.train(1)
+    assert trainer.step == 3
