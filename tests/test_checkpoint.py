@@ -705,3 +705,36 @@ def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_p
   assert started == []
   Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
   assert started == [tree]
+
+
+def test_a_failed_saves_directory_made_again_by_writes_still_ending_is_removed_for_good(tmp_path):
+  """The writes of a failed save that were in flight make its directory again as they end (the
+  full-disk test once found one after the process ended): `remove_settled` removes it each time
+  it comes back until it has stayed away its quiet time, and returns once it has."""
+  import threading
+  from jmoe.checkpoint.disk import UNFINISHED, remove_settled
+  partial = tmp_path / f"2{UNFINISHED}"
+  (partial / "state.orbax-checkpoint-tmp" / "d").mkdir(parents=True)
+  ends = []
+
+  def late_writes():  # three writes ending 0.3 s apart, each making its directories again
+    for _ in range(3):
+      time.sleep(0.3)
+      (partial / "state.orbax-checkpoint-tmp" / "d").mkdir(parents=True, exist_ok=True)
+      (partial / "state.orbax-checkpoint-tmp" / "d" / "chunk").write_bytes(b"x" * 64)
+      ends.append(time.monotonic())
+
+  writer = threading.Thread(target=late_writes)
+  writer.start()
+  start = time.monotonic()
+  assert remove_settled(partial, quiet=0.5, limit=10.0) == ""
+  done = time.monotonic()
+  writer.join()
+  assert len(ends) == 3 and not partial.exists()
+  assert done - ends[-1] >= 0.5 and done - start < 5.0
+  # Nothing coming back: it returns after the quiet time; a write still ending after `limit` is
+  # left for the next start to remove.
+  partial.mkdir()
+  start = time.monotonic()
+  assert remove_settled(partial, quiet=0.2) == "" and not partial.exists()
+  assert 0.2 <= time.monotonic() - start < 2.0

@@ -11,6 +11,7 @@ import pathlib
 import re
 import shutil
 import sys
+import time
 from typing import Iterator
 
 import orbax.checkpoint as ocp
@@ -70,6 +71,22 @@ def remove_tree(path: pathlib.Path) -> str:
   except OSError as e:
     return e.strerror or str(e)
   return ""
+
+
+def remove_settled(path: pathlib.Path, quiet: float = 1.0, limit: float = 30.0) -> str:
+  """Removes `path` for good: the writes of a failed save that were in flight when it failed
+  (TensorStore's, in its own threads, which Orbax does not wait for once one write raised)
+  make their directories again when they end. Removes it, then again each time it comes back,
+  until it has stayed away `quiet` seconds or `limit` seconds have passed. "" or why it could
+  not be removed (a write still ending after `limit` is removed by the next start)."""
+  deadline = time.monotonic() + limit
+  why = remove_tree(path)
+  away_since = time.monotonic()
+  while not why and time.monotonic() - away_since < quiet and time.monotonic() < deadline:
+    time.sleep(0.05)
+    if os.path.lexists(path):
+      why, away_since = remove_tree(path), time.monotonic()
+  return why
 
 
 class _NotAboutItemMetadata(logging.Filter):

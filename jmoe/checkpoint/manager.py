@@ -44,8 +44,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from jmoe.checkpoint import pinned
-from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_tree,
-                                  require_complete, unfinished_saves)
+from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
+                                  remove_tree, require_complete, unfinished_saves)
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -386,10 +386,10 @@ class Checkpointer:
       self.wait()
     finally:
       self._manager.close()
-      # Writes of a failed save still in flight when it failed may have made its directory
-      # again (TensorStore makes the directories it writes in).
+      # Writes of a failed save still in flight when it failed make its directory again as
+      # they end (TensorStore makes the directories it writes in).
       for step in self._partial:
-        remove_tree(self.directory / f"{step}{UNFINISHED}")
+        remove_settled(self.directory / f"{step}{UNFINISHED}")
       # After a failed save the quiet stays on: the writes still in flight when it failed
       # report their own failures when they end, or when collected at the process's exit.
       if self._quiet and not self._broken:
