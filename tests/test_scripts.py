@@ -512,3 +512,33 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
     assert all(a is b for a, b in zip(before, after)) == room
     trainer.train(1)
     assert trainer.step == 3
+
+
+def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them():
+  """`scripts/save_timeline.py`'s reading of a trace: the device's gaps over 1 ms (the largest
+  first, from the save call), the host thread's innermost frames in them, the busy shares before,
+  while the state goes to the host and after, and the copies to the host."""
+  sys.path.insert(0, str(ROOT / "scripts"))
+  from save_timeline import SAVE_CALL, TO_HOST, timeline
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+  span = lambda name, pid, tid, ts, dur, **args: dict(ph="X", name=name, pid=pid, tid=tid, ts=ts,
+                                                       dur=dur, args=args)
+  kernels = [span("gemm", 1, 7, 0, 100), span("fusion", 1, 7, 100, 100),
+             span("gemm", 1, 7, 2400, 1600), span("gemm", 1, 7, 5200, 2800)]
+  copies = [span("MemcpyDtoH", 1, 9, 2500, 1500, bytes=2**30),
+            span("MemcpyDtoH", 1, 9, 4500, 1500, bytes=2**30)]
+  host = [span("train", 2, 3, 0, 8000), span(SAVE_CALL, 2, 3, 210, 2090),
+          span("all_finite", 2, 3, 220, 1280), span("device_copy", 2, 3, 1500, 800),
+          span("_log", 2, 3, 4100, 1000), span(TO_HOST, 2, 4, 2300, 3700)]
+  figures = timeline(meta + kernels + copies + host)
+  assert figures["window_ms"] == 8.0 and figures["device_idle_ms"] == 3.4
+  assert figures["idle_before_save_ms"] == 0.01 and figures["idle_after_save_ms"] == 3.39
+  assert figures["gaps"] == [[-0.01, 2.2, ["all_finite (1.3 ms)", "device_copy (0.8 ms)"]],
+                             [3.79, 1.2, ["_log (1.0 ms)"]]]
+  assert figures["busy_before"] == round(200 / 210, 4)
+  assert figures["busy_while_to_host"] == round(2300 / 3500, 4) and figures["busy_after"] == 1.0
+  assert figures["d2h_copies"] == 2 and figures["d2h_gib"] == 2.0
+  assert figures["d2h_ms"] == [2.29, 5.79] and figures["to_host_ms"] == [2.09, 5.79]
+  assert "error" in timeline(meta + kernels + host[:1])  # no save in the window
+  assert "error" in timeline(meta + host)  # no device kernels
