@@ -1,16 +1,20 @@
 """Where a periodic save's cost on the steps beside it goes, read from a profiler trace.
 
   python scripts/save_timeline.py [--config configs/bench/qwen3_30b_a3b_1gpu.py]
-      [--save-at 20] [--after 15] [--dir /dev/shm/jmoe-save-timeline] [--out DIR] [--config.X=Y ...]
+      [--save-at 20] [--after 15] [--variants pinned,pageable]
+      [--dir /dev/shm/jmoe-save-timeline] [--out DIR] [--config.X=Y ...]
 
-One jmoe.train `Trainer` on the config, `checkpoint.every=--save-at`: its steps up to three
-before the save run untraced (compilation, warm-up), then the loop's own steps from there to
-`--after` steps past the save are traced (jax.profiler, Python frames on), the save among them
-as the loop starts it. Printed as one JSON line (`timeline`): the device's idle gaps in the
-traced window (each over 1 ms, the largest first, with when they began after the save was
-called and what the loop's host thread was doing then), its busy share before the save, while
-the state went to the host and after, and the device-to-host copies (their count, bytes and
-span). `--out` keeps the trace. The workdir `--dir` is removed at the end.
+One jmoe.train `Trainer` on the config, `checkpoint.every=--save-at`, and a save traced for each
+of `--variants` (at --save-at, twice --save-at, ...): the loop's steps up to three before it run
+untraced (compilation, warm-up), then its own steps from there to `--after` steps past the save
+are traced (jax.profiler, Python frames on), the save among them as the loop starts it. The
+variants say how the save copies the state to the host: through page-locked memory (`pinned`,
+Orbax's way on a GPU) or into pageable memory. Printed, a JSON line per variant (`timeline`):
+the device's idle gaps in the traced window (each over 1 ms, the largest first, with when they
+began after the save was called and what the loop's host thread was doing then), its busy share
+before the save, while the state went to the host and after, and the device-to-host copies
+(their count, bytes, span and streams). `--out` keeps the traces. The workdir `--dir` is removed
+at the end.
 """
 
 from __future__ import annotations
@@ -141,63 +145,81 @@ def read_trace(trace_dir: str) -> list[dict]:
   return json.load(gzip.open(sorted(paths)[-1]))["traceEvents"]
 
 
+def annotated(checkpointer) -> None:
+  """The checkpointer's save call and Orbax's save up to the state on the host, named in the
+  trace (SAVE_CALL, TO_HOST)."""
+  import jax
+  save, start = checkpointer.save, checkpointer._start
+
+  def annotated_save(*a, **k):
+    with jax.profiler.TraceAnnotation(SAVE_CALL):
+      return save(*a, **k)
+
+  def annotated_start(*a, **k):
+    with jax.profiler.TraceAnnotation(TO_HOST):
+      return start(*a, **k)
+
+  checkpointer.save, checkpointer._start = annotated_save, annotated_start
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="configs/bench/qwen3_30b_a3b_1gpu.py")
   parser.add_argument("--save-at", type=int, default=20)
   parser.add_argument("--after", type=int, default=15)
+  parser.add_argument("--variants", default="pinned,pageable",
+                      help="the traced saves, one each, in order: how each copies the state to "
+                           "the host, `pinned` (Orbax's way on a GPU) or `pageable`")
   parser.add_argument("--dir", type=pathlib.Path,
                       default=pathlib.Path("/dev/shm/jmoe-save-timeline"))
-  parser.add_argument("--out", type=pathlib.Path, help="keep the trace here")
+  parser.add_argument("--out", type=pathlib.Path, help="keep the traces here")
   args, overrides = parser.parse_known_args(argv)
-  if args.save_at < 4 or args.after < 1:
-    parser.error("--save-at must be 4 or more (three steps traced before the save) and "
-                 "--after 1 or more")
+  variants = args.variants.split(",")
+  if args.save_at < 4 or not 1 <= args.after <= args.save_at - 4:
+    parser.error("--save-at must be 4 or more (three steps traced before each save) and --after "
+                 "from 1 to --save-at - 4 (no other save in the window)")
+  if any(v not in ("pinned", "pageable") for v in variants):
+    parser.error(f"--variants: each is pinned or pageable, not {args.variants!r}")
   if args.dir.exists():
     parser.error(f"{args.dir} exists: give a directory that does not (it is removed at the end)")
   from jmoe.xla_flags import set_gpu_flags
   set_gpu_flags()
   import jax
+  from jmoe.checkpoint import Checkpointer
   from jmoe.config import load_config
   from jmoe.train.loop import Trainer
   config = load_config(ROOT / args.config, [o.removeprefix("--config.") for o in overrides] + [
       "train.steps=1000000", f"checkpoint.every={args.save_at}", "checkpoint.keep=1",
       "checkpoint.async_save=true"])
-  trace_dir = args.out or pathlib.Path(tempfile.mkdtemp(prefix="jmoe-trace-"))
+  traces = args.out or pathlib.Path(tempfile.mkdtemp(prefix="jmoe-trace-"))
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 1
   try:
     with Trainer(config, args.dir / "work", progress=False) as trainer:
-      checkpointer = trainer.checkpointer
-      save, start = checkpointer.save, checkpointer._start
-
-      def annotated_save(*a, **k):
-        with jax.profiler.TraceAnnotation(SAVE_CALL):
-          return save(*a, **k)
-
-      def annotated_start(*a, **k):
-        with jax.profiler.TraceAnnotation(TO_HOST):
-          return start(*a, **k)
-
-      checkpointer.save, checkpointer._start = annotated_save, annotated_start
-      trainer.train(args.save_at - 3)
-      jax.block_until_ready(trainer.state)
-      began = time.perf_counter()
-      jax.profiler.start_trace(str(trace_dir), profiler_options=options)
-      try:
-        trainer.train(3 + args.after)
+      for i, variant in enumerate(variants, 1):
+        trainer.checkpointer.close()
+        trainer.checkpointer = Checkpointer(
+            args.dir / f"v{i}_{variant}", keep=1, write_threads=config.checkpoint.write_threads,
+            pinned_transfer=variant == "pinned")
+        annotated(trainer.checkpointer)
+        trainer.train(args.save_at * i - 3 - trainer.step)
         jax.block_until_ready(trainer.state)
-      finally:
-        jax.profiler.stop_trace()
-      traced_s = time.perf_counter() - began
-      checkpointer.wait()
-    figures = timeline(read_trace(str(trace_dir)))
+        began = time.perf_counter()
+        jax.profiler.start_trace(str(traces / f"v{i}_{variant}"), profiler_options=options)
+        try:
+          trainer.train(3 + args.after)
+          jax.block_until_ready(trainer.state)
+        finally:
+          jax.profiler.stop_trace()
+        traced_s = time.perf_counter() - began
+        trainer.checkpointer.wait()
+        print(json.dumps({"variant": variant, "timeline": timeline(read_trace(str(
+            traces / f"v{i}_{variant}"))), "config": args.config, "save_at": args.save_at * i,
+            "traced_steps": 3 + args.after, "traced_s": round(traced_s, 2)}), flush=True)
   finally:
     shutil.rmtree(args.dir, ignore_errors=True)
     if args.out is None:
-      shutil.rmtree(trace_dir, ignore_errors=True)
-  print(json.dumps({"timeline": figures, "config": args.config, "save_at": args.save_at,
-                    "traced_steps": 3 + args.after, "traced_s": round(traced_s, 2)}), flush=True)
+      shutil.rmtree(traces, ignore_errors=True)
   return 0
 
 

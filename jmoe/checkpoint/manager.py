@@ -131,7 +131,11 @@ def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory
 class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
-               write_threads: int | None = 0, compress_waited: bool = False):
+               write_threads: int | None = 0, compress_waited: bool = False,
+               pinned_transfer: bool | None = None):
+    """`pinned_transfer`: whether a save copies the arrays to the host through page-locked
+    memory (None: Orbax's choice, on a GPU yes), else into pageable memory (for comparing the
+    two: scripts/save_timeline.py)."""
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()  # (before Orbax's handlers are made: without it a later save's writer
     # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
@@ -145,7 +149,8 @@ class Checkpointer:
         async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False))
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
-        item_handlers={"state": ocp.PyTreeCheckpointHandler(save_concurrent_gb=96),
+        item_handlers={"state": ocp.PyTreeCheckpointHandler(
+            save_concurrent_gb=96, enable_pinned_host_transfer=pinned_transfer),
                        "data": ocp.JsonCheckpointHandler(),
                        "run": ocp.JsonCheckpointHandler()})
     self.unreadable: list[int] = []  # steps restore_latest passed over
