@@ -325,7 +325,7 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   lines = [json.loads(line) for line in result.stdout.splitlines()]
   assert [r["file_mib"] for r in lines] == [64, 1]
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
-             for r in lines), lines
+             and r["raw_seconds"] > 0 and r["raw_gb_per_s"] > 0 for r in lines), lines
   assert not target.exists()
   refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(tmp_path)],
                            capture_output=True, text=True, timeout=120, env=command_env())
