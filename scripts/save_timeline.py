@@ -119,7 +119,9 @@ def timeline(events: list[dict]) -> dict:
   during = copy_span or host_span
   ms = lambda us: round(us / 1e3, 2)
   return {
-      "window_ms": ms(end - start), "device_idle_ms": ms((end - start) - sum(b - a for a, b in busy)),
+      "window_ms": ms(end - start),
+      "device_idle_ms": ms((end - start) - sum(b - a for a, b in busy)),
+      # (these two count the gaps over 1 ms only, each cut at the save call's start)
       "idle_before_save_ms": ms(sum(max(0.0, min(b, t0) - a) for a, b in gaps)),
       "idle_after_save_ms": ms(sum(max(0.0, b - max(a, t0)) for a, b in gaps)),
       "save_call_ms": ms(float(call["dur"])),
