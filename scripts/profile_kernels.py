@@ -37,17 +37,22 @@ def kernel_outputs(hlo: str) -> dict[str, str]:
           re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", m.group(2)) for m in found}
 
 
+def trace_events(trace_dir: str) -> list[dict] | None:
+  """The events of the newest profiler trace (`*.trace.json.gz`) under `trace_dir`, or None."""
+  import glob
+  import gzip
+  paths = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
+  return json.load(gzip.open(sorted(paths)[-1]))["traceEvents"] if paths else None
+
+
 def kernel_breakdown(trace_dir: str, hlo: str = "") -> dict:
   """Device time per kernel kind, per kind and model scope (`scope_of`), and the 40 longest
   kernels (with the JAX op each came from, when `hlo` is given), from a profiler trace; every
   kernel goes to `trace_dir`/kernels.tsv."""
   import collections
-  import glob
-  import gzip
-  paths = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-  if not paths:
+  events = trace_events(trace_dir)
+  if events is None:
     return {"error": f"no trace under {trace_dir}"}
-  events = json.load(gzip.open(sorted(paths)[-1]))["traceEvents"]
   devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
              and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
   by_name, launches = collections.Counter(), collections.Counter()

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import pathlib
 import re
@@ -30,6 +28,8 @@ import shutil
 import sys
 import tempfile
 import time
+
+from profile_kernels import trace_events
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -141,10 +141,10 @@ def timeline(events: list[dict]) -> dict:
 
 
 def read_trace(trace_dir: str) -> list[dict]:
-  paths = glob.glob(f"{trace_dir}/**/*.trace.json.gz", recursive=True)
-  if not paths:
+  events = trace_events(trace_dir)
+  if events is None:
     raise FileNotFoundError(f"no *.trace.json.gz under {trace_dir}")
-  return json.load(gzip.open(sorted(paths)[-1]))["traceEvents"]
+  return events
 
 
 def annotated(checkpointer) -> None:
