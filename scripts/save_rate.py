@@ -1,5 +1,5 @@
 """How fast jmoe's Checkpointer writes a state of a given size, by the size of TensorStore's data
-files (jmoe/checkpoint/manager.py DATA_FILE_BYTES), into the directories given, beside the rate
+files (jmoe/checkpoint/writer.py DATA_FILE_BYTES), into the directories given, beside the rate
 of plain file writes of the same bytes.
 
   python scripts/save_rate.py [--gib 18] [--file-mib 2048,64,16] [--repeats 2] DIR [DIR ...]
@@ -82,14 +82,14 @@ def main(argv=None) -> int:
   for d in args.dirs:
     if d.exists():
       parser.error(f"{d} exists: give a directory that does not (it is removed after each save)")
-  from jmoe.checkpoint import Checkpointer, manager
+  from jmoe.checkpoint import Checkpointer, writer
   state = state_of(args.gib)
   arrays = {name: x.get_value() for name, x in state.items()}
   nbytes = sum(x.nbytes for x in arrays.values())
   for d in args.dirs:
     for mib in (int(m) for m in args.file_mib.split(",")):
       for repeat in range(args.repeats):
-        manager.DATA_FILE_BYTES = mib * 2**20
+        writer.DATA_FILE_BYTES = mib * 2**20
         checkpointer = Checkpointer(d, keep=1, async_save=False)
         started = time.perf_counter()
         checkpointer.save(1, state)

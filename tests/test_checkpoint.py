@@ -209,8 +209,8 @@ def test_one_process_saves_replicated_arrays_without_compiling(tmp_path, caplog)
 def test_a_state_is_written_in_data_files_of_bounded_size(tmp_path, monkeypatch):
   """Each data file is written by one thread: a state larger than DATA_FILE_BYTES is spread over
   several files of about that size (so that many threads write it), and reads back whole."""
-  from jmoe.checkpoint import manager
-  monkeypatch.setattr(manager, "DATA_FILE_BYTES", 1 << 20)
+  from jmoe.checkpoint import writer
+  monkeypatch.setattr(writer, "DATA_FILE_BYTES", 1 << 20)
   rng = np.random.default_rng(0)
   values = {f"w{i}": rng.standard_normal((256, 1024), np.float32) for i in range(24)}  # 24 MiB
   state = jax.tree.map(jax.numpy.asarray, values)

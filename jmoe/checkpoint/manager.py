@@ -27,7 +27,6 @@ order.
 from __future__ import annotations
 
 import errno
-import itertools
 import logging
 import os
 import pathlib
@@ -46,38 +45,12 @@ from jax.experimental import multihost_utils
 from jmoe.checkpoint import pinned
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
                                   remove_tree, require_complete, unfinished_saves)
+from jmoe.checkpoint import writer
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
-from jmoe.ops.params import LAYER_AXES
 
 log = logging.getLogger("jmoe")
-
-
-# Logical axes whose indices are stored one per chunk when they lead an array (a stacked
-# variable's layers, then its experts): a reader of one layer, or of a block of experts, reads
-# only their chunks (export-hf reads a checkpoint so).
-CHUNKED_AXES = (*LAYER_AXES, "expert")
-
-# The size TensorStore aims each of a checkpoint's data files at (Orbax's default: 2 GiB). Every
-# data file is written by one thread, front to back, so a state in files of 2 GiB is written by
-# a few threads: 64 MiB files took a 2.25 GiB state to tmpfs 2.2-2.8x faster on a 2-core machine
-# (0.37 -> 1.04 GB/s compressed; 2026-12-03), and keep every core of a large host busy.
-DATA_FILE_BYTES = 64 * 2**20
-
-
-def part_save_args(tree: Any) -> Any:
-  """Orbax save args for `tree` (model or train state): an nnx Variable's leading layer and expert
-  axes (its `axes` metadata) are cut one index per chunk; other arrays are saved as Orbax
-  chooses."""
-  def one(leaf):
-    if not isinstance(leaf, nnx.Variable):
-      return ocp.SaveArgs()
-    axes = leaf.get_metadata().get("axes") or ()
-    lead = len(list(itertools.takewhile(lambda name: name in CHUNKED_AXES, axes)))
-    return leaf.replace(ocp.SaveArgs(shard_axes=tuple(range(lead))))
-
-  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
@@ -226,8 +199,7 @@ class Checkpointer:
 
   def _start(self, step: int, state: Any, items: dict[str, Any]) -> None:
     """Orbax's save: returns once `state` is on the host, its write under way."""
-    items = dict(state=ocp.args.PyTreeSave(state, save_args=part_save_args(state),
-                                           ocdbt_target_data_file_size=DATA_FILE_BYTES), **items)
+    items = dict(state=writer.state_save(state), **items)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _start_in_thread(self, step: int, state: Any, items: dict[str, Any]) -> None:

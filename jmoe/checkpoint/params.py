@@ -25,12 +25,11 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint.disk import quiet_failed_writes, quiet_orbax, require_complete
-from jmoe.checkpoint.manager import (Checkpointer, describe_mismatch, part_save_args,
-                                     with_shardings)
+from jmoe.checkpoint.manager import Checkpointer, describe_mismatch, with_shardings
 from jmoe.checkpoint.fingerprint import fingerprint
 from jmoe.checkpoint.streamed import (OPENED, FoldedArray, StoredArray, open_checkpointer,
                                       unreadable)
-from jmoe.checkpoint.writer import use_array_writer
+from jmoe.checkpoint.writer import part_save_args, use_array_writer
 from jmoe.config import Config, ConfigError, LoRAConfig, from_config_dict, to_dict
 from jmoe.parallel import Layout
 from jmoe.model.factory import model_factory

@@ -11,7 +11,7 @@ the parts (part i on process i % process_count), and Orbax joins what they wrote
 Reading is the other way round: a restore through `open_checkpointer` (with `OPENED` restore args)
 reads nothing, and each array comes back as a `StoredArray` from which a region (a layer, a block
 of experts) is read when asked. Only the chunks that hold the region are read: the checkpoints
-jmoe writes keep one layer (and one expert) per chunk (jmoe.checkpoint.manager.part_save_args).
+jmoe writes keep one layer (and one expert) per chunk (jmoe.checkpoint.writer.part_save_args).
 """
 
 from __future__ import annotations

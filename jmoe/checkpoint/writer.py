@@ -1,6 +1,6 @@
-"""How jmoe's checkpoints write jax.Arrays through Orbax: TensorStore's threads bounded, so that
-training keeps cores of its own beside an asynchronous save, and replicas shared out only across
-processes.
+"""How jmoe's checkpoints write jax.Arrays through Orbax: one layer and one expert per chunk, in
+data files of 64 MiB, TensorStore's threads bounded, so that training keeps cores of its own
+beside an asynchronous save, and replicas shared out only across processes.
 
 TensorStore writes with two pools of threads: one copies and compresses the data, one writes the
 files (on tmpfs and into the page cache, copies in the kernel: CPU work too). By default the first
@@ -23,11 +23,49 @@ steps written either way share one directory.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
+
+from jmoe.ops.params import LAYER_AXES
+
+
+# Logical axes whose indices are stored one per chunk when they lead an array (a stacked
+# variable's layers, then its experts): a reader of one layer, or of a block of experts, reads
+# only their chunks (export-hf reads a checkpoint so).
+CHUNKED_AXES = (*LAYER_AXES, "expert")
+
+# The size TensorStore aims each of a checkpoint's data files at (Orbax's default: 2 GiB). Every
+# data file is written by one thread, front to back, so a state in files of 2 GiB is written by
+# a few threads: 64 MiB files took a 2.25 GiB state to tmpfs 2.2-2.8x faster on a 2-core machine
+# (0.37 -> 1.04 GB/s compressed; 2026-12-03), and keep every core of a large host busy.
+DATA_FILE_BYTES = 64 * 2**20
+
+
+def part_save_args(tree: Any) -> Any:
+  """Orbax save args for `tree` (model or train state): an nnx Variable's leading layer and expert
+  axes (its `axes` metadata) are cut one index per chunk; other arrays are saved as Orbax
+  chooses."""
+  def one(leaf):
+    if not isinstance(leaf, nnx.Variable):
+      return ocp.SaveArgs()
+    axes = leaf.get_metadata().get("axes") or ()
+    lead = len(list(itertools.takewhile(lambda name: name in CHUNKED_AXES, axes)))
+    return leaf.replace(ocp.SaveArgs(shard_axes=tuple(range(lead))))
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_save(tree: Any) -> ocp.args.PyTreeSave:
+  """Orbax's save argument for a train state or model `tree`: chunked by `part_save_args`, in
+  data files of about DATA_FILE_BYTES."""
+  return ocp.args.PyTreeSave(tree, save_args=part_save_args(tree),
+                             ocdbt_target_data_file_size=DATA_FILE_BYTES)
 
 
 def host_cores() -> int:
