@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 SAVE_CALL = "jmoe_save_call"  # the loop's call of Checkpointer.save (host, main thread)
 TO_HOST = "jmoe_save_to_host"  # Orbax's save up to the state on the host (its own thread)
+SAVE_COPY_BYTES = 1 << 16  # the smallest copy to the host counted as the save's, not the step's
 
 
 def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -112,8 +113,11 @@ def timeline(events: list[dict]) -> dict:
 
   gaps = [(a, b) for (_, a), (b, _) in zip(busy, busy[1:]) if b - a > 1e3]
   gaps.sort(key=lambda g: g[0] - g[1])
-  copy_span = ((min(float(e["ts"]) for e in copies),
-                max(float(e["ts"]) + float(e["dur"]) for e in copies)) if copies else None)
+  # (the step's own copies to the host, its metrics, are a few bytes each: the save's span is
+  # that of the copies of 64 KiB and more)
+  large = [e for e in copies if copied_bytes(e) >= SAVE_COPY_BYTES] or copies
+  copy_span = ((min(float(e["ts"]) for e in large),
+                max(float(e["ts"]) + float(e["dur"]) for e in large)) if large else None)
   host_span = ((float(to_host[0]["ts"]), float(to_host[0]["ts"]) + float(to_host[0]["dur"]))
                if to_host else None)
   during = copy_span or host_span
@@ -132,6 +136,7 @@ def timeline(events: list[dict]) -> dict:
       "d2h_copies": len(copies),
       "d2h_gib": round(sum(copied_bytes(e) for e in copies) / 2**30, 3),
       "d2h_ms": [ms(copy_span[0] - t0), ms(copy_span[1] - t0)] if copy_span else None,
+      "d2h_large": len(large) if copies else 0,
       "d2h_streams": sorted({str(e["tid"]) for e in copies}),
       "d2h_first": [copies[0]["name"], copies[0].get("args")] if copies else None,
       "kernel_streams": collections.Counter(str(e["tid"]) for e in kernels).most_common(4),
@@ -188,11 +193,13 @@ def main(argv=None) -> int:
   set_gpu_flags()
   import jax
   from jmoe.checkpoint import Checkpointer
+  from jmoe.cli import setup_logging
   from jmoe.config import load_config
   from jmoe.train.loop import Trainer
   config = load_config(ROOT / args.config, [o.removeprefix("--config.") for o in overrides] + [
       "train.steps=1000000", f"checkpoint.every={args.save_at}", "checkpoint.keep=1",
       "checkpoint.async_save=true"])
+  setup_logging()  # (the checkpointer says how a save takes the state to the host)
   traces = args.out or pathlib.Path(tempfile.mkdtemp(prefix="jmoe-trace-"))
   options = jax.profiler.ProfileOptions()
   options.python_tracer_level = 1

@@ -496,8 +496,9 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
   from jmoe.train.loop import Trainer
   real_copy = manager.device_copy
   copies = []
-  monkeypatch.setattr(manager, "device_copy", lambda tree: copies.append(tree) or (real_copy(
-      tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}) if room else None))
+  monkeypatch.setattr(manager, "device_copy", lambda tree, **kw: copies.append(tree) or (
+      real_copy(tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}, **kw)
+      if room else None))
   config = tiny_config(train=dict(steps=4, log_every=1))
   with Trainer(config, tmp_path, progress=False) as trainer:
     trainer.train(2)
@@ -527,7 +528,8 @@ def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them
   kernels = [span("gemm", 1, 7, 0, 100), span("fusion", 1, 7, 100, 100),
              span("gemm", 1, 7, 2400, 1600), span("gemm", 1, 7, 5200, 2800)]
   copies = [span("MemcpyDtoH", 1, 9, 2500, 1500, bytes=2**30),
-            span("MemcpyDtoH", 1, 9, 4500, 1500, bytes=2**30)]
+            span("MemcpyDtoH", 1, 9, 4500, 1500, bytes=2**30),
+            span("MemcpyDtoH", 1, 7, 7900, 10, bytes=4)]  # (the step's loss: not the save's)
   host = [span("train", 2, 3, 0, 8000), span(SAVE_CALL, 2, 3, 210, 2090),
           span("all_finite", 2, 3, 220, 1280), span("device_copy", 2, 3, 1500, 800),
           span("_log", 2, 3, 4100, 1000), span(TO_HOST, 2, 4, 2300, 3700)]
@@ -538,7 +540,7 @@ def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them
                              [3.79, 1.2, ["_log (1.0 ms)"]]]
   assert figures["busy_before"] == round(200 / 210, 4)
   assert figures["busy_while_to_host"] == round(2300 / 3500, 4) and figures["busy_after"] == 1.0
-  assert figures["d2h_copies"] == 2 and figures["d2h_gib"] == 2.0
+  assert figures["d2h_copies"] == 3 and figures["d2h_large"] == 2 and figures["d2h_gib"] == 2.0
   assert figures["d2h_ms"] == [2.29, 5.79] and figures["to_host_ms"] == [2.09, 5.79]
   assert "error" in timeline(meta + kernels + host[:1])  # no save in the window
   assert "error" in timeline(meta + host)  # no device kernels
