@@ -9,6 +9,10 @@ parts of the run (on a copy of the state, so that the loop goes on from where it
 last state, each timed step on a batch of its own, as the loop's (until 2026-12-04 the probes
 repeated one batch). The mean of the middle ones is the bare step averaged over the run (the
 midpoint rule), the reference the loop's tokens/s is compared with (`loop_steps_vs_mean_step`).
+The loop's first step after each probe runs untimed (where that is not a checkpoint's step and
+the part has steps after it): after a probe it ran 1.0 s longer than the others on an H100,
+where the probe had moved the state to the host and back, and 0.12 s on an H200 (2026-12-06),
+a cost of the probe, which a run of the command does not have.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
   timed = steps - warmup
   marks = sorted({max(1, round(timed * (2 * i + 1) / (2 * probes))) for i in range(probes)}
                  | {timed}) if probes else [timed]
-  middle, middle_clocks, records, stepped, done = [], [], [], 0.0, 0
+  middle, middle_clocks, records, stepped, done, untimed = [], [], [], 0.0, 0, 0
   loop_samples = ""  # the GPUs' clocks while the loop's steps ran (probes and last save apart)
   with tempfile.TemporaryDirectory(prefix="jmoe-loop-") as workdir:
     with Trainer(config, workdir, progress=False) as trainer:
@@ -54,6 +58,11 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
           probe_s, probe_clocks = bare_step_s(trainer, warmup, keep=False)
           middle.append(probe_s)
           middle_clocks.append(probe_clocks.figures())
+          every = config.checkpoint.every
+          if next_mark(marks, mark) - done >= 2 and not (every and (trainer.step + 1) % every == 0):
+            trainer.train(1)  # (untimed: the step after the probe; see above)
+            jax.block_until_ready(trainer.state)
+            done, untimed = done + 1, untimed + 1
       t0 = time.perf_counter()
       trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
       trainer.checkpointer.wait()
@@ -61,10 +70,11 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       saves = len(trainer.checkpointer.all_steps())
       end_s, clocks = bare_step_s(trainer, warmup, keep=True)
   seconds = stepped + last_write
+  timed -= untimed
   tokens = tokens_per_step * timed
   intervals = [r["tokens_per_s"] for r in records if r["step"] > warmup + 1]
   figures = {
-      "loop_steps": steps, "loop_timed_steps": timed,
+      "loop_steps": steps, "loop_timed_steps": timed, "loop_untimed_after_probes": untimed,
       "loop_checkpoint_every": config.checkpoint.every,
       "loop_checkpoints": saves, "loop_step_ms": round(seconds / timed * 1e3, 2),
       "loop_tokens_per_s": round(tokens / seconds),
@@ -99,6 +109,10 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
         "loop_steps_vs_mean_step": round(mean_s * timed / stepped, 3),
         "loop_vs_mean_step": round(mean_s * timed / seconds, 3)})
   return figures
+
+
+def next_mark(marks: list[int], mark: int) -> int:
+  return min(m for m in marks if m > mark)
 
 
 def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[float, GpuClocks]:

@@ -250,7 +250,7 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
   assert copy["split"].sharding.is_equivalent_to(shardings["split"], 2)
 
   real_copy = manager.device_copy
-  monkeypatch.setattr(manager, "device_copy", lambda tree, **kw: real_copy(tree, roomy, **kw))
+  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(tree, roomy))
   checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2)
   state = make()
   checkpointer.save(1, state, {"at": 1})
@@ -273,62 +273,6 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
     checkpointer.save(3, make())
   checkpointer.close()
   assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]
-
-
-def test_a_save_with_room_for_part_of_the_state_copies_that_part_and_stages_the_rest(
-    tmp_path, monkeypatch):
-  """Where the devices have room for some of the state's arrays only (an 80 GB card beside a
-  large step), an async save copies those there, the largest that fit first, and puts the
-  others in page-locked host memory before it returns: the arrays it was given may then be
-  donated (here deleted) while a thread takes the copies to the host, and the checkpoint holds
-  the state as it was. Saving into pageable memory (`pinned_transfer=False`) copies all or
-  nothing."""
-  from jmoe.checkpoint import manager, pinned
-  mesh = jax.make_mesh((8,), ("data",))
-  split, whole = NamedSharding(mesh, PartitionSpec("data")), NamedSharding(mesh, PartitionSpec())
-  values = {"big": np.arange(8 * 64, dtype=np.float32).reshape(8, 64),  # 256 bytes a device
-            "mid": np.arange(8 * 16, dtype=np.float32).reshape(8, 16),  # replicated: 512
-            "small": np.arange(8 * 4, dtype=np.float32).reshape(8, 4)}  # 16
-  make = lambda: {name: jax.device_put(v, whole if name == "mid" else split)
-                  for name, v in values.items()}
-  # 500 bytes of room a device: "big" fits, then not "mid", then "small".
-  some_room = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 9_000}
-  original = make()
-  assert manager.device_copy(original, some_room) is None
-  copy = manager.device_copy(original, some_room, partial=True)
-  assert [copy[k] is original[k] for k in ("big", "mid", "small")] == [False, True, False]
-  assert manager.device_copy(original, lambda device: {"bytes_limit": 10_000,
-                                                       "peak_bytes_in_use": 9_990},
-                             partial=True) is None
-
-  real_copy, real_put = manager.device_copy, pinned.put_uncopied
-  staged = []
-  monkeypatch.setattr(manager, "device_copy",
-                      lambda tree, **kw: real_copy(tree, some_room, **kw))
-  monkeypatch.setattr(pinned, "put_uncopied",
-                      lambda copy, state: staged.append(real_put(copy, state)) or staged[-1])
-  checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2)
-  state = make()
-  checkpointer.save(1, state, {"at": 1})
-  assert checkpointer._thread is not None
-  tree, nbytes = staged[0]
-  assert nbytes == values["mid"].nbytes
-  assert {k: x.sharding.memory_kind for k, x in tree.items()} == {
-      "big": "device", "mid": pinned.PINNED, "small": "device"}
-  jax.tree.map(lambda x: x.delete(), state)  # (a train step donating the state)
-  checkpointer.wait()
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), make())
-  restored, data = checkpointer.restore(1, abstract, jax.tree.map(lambda x: x.sharding, make()))
-  for name, want in values.items():
-    np.testing.assert_array_equal(restored[name], want)
-    assert restored[name].sharding.memory_kind == "device"
-  assert data == {"at": 1}
-  checkpointer.close()
-
-  pageable = Checkpointer(tmp_path / "pageable", keep=1, pinned_transfer=False)
-  pageable.save(1, make())
-  assert pageable._thread is None and len(staged) == 1  # (all or nothing: in the foreground)
-  pageable.close()
 
 
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
@@ -367,8 +311,8 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
            (in_foreground, 1, real_copy, False, False, (own, False)),
            (compressing, 1, real_copy, True, True, (own, True))]  # (checkpoint.compress_waited)
   for checkpointer, step, copy, waited, threaded, want in cases:
-    monkeypatch.setattr(manager, "device_copy", (lambda tree, **kw: copy(tree, roomy, **kw))
-                        if copy else (lambda tree, **kw: None))
+    monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
+                        (lambda tree: None))
     pools.clear()
     contexts.clear()
     checkpointer.save(step, state, waited=waited)
@@ -761,6 +705,46 @@ def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_p
   assert started == []
   Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
   assert started == [tree]
+
+
+def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tmp_path,
+                                                                             monkeypatch):
+  """Where saves copy the state on its devices (GPU, async, one process), `reserve_host_memory`
+  (called while the train step compiles) compiles that copy in a thread, one program for the
+  whole state: the first save's copy compiles nothing, and holds the same values, shardings and
+  weak types in new buffers; non-array leaves pass through."""
+  import jax.numpy as jnp
+  from jmoe.checkpoint import manager, pinned
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  tree = {"a": jax.device_put(jnp.arange(64.0).reshape(16, 4),
+                              NamedSharding(mesh, PartitionSpec("d"))),
+          "b": jnp.ones(3, jnp.bfloat16), "scale": jnp.asarray(2.0), "step": 7}
+  assert tree["scale"].weak_type and not tree["b"].weak_type
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree: None)  # (only the compile here)
+  checkpointer = Checkpointer(tmp_path / "c", keep=1)
+  checkpointer.reserve_host_memory(tree)
+  assert checkpointer._compiling is not None
+  checkpointer._compiling.join()
+  roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
+
+  def compiling(*args, **kwargs):
+    raise AssertionError("the save's copy was compiled at the save")
+  with monkeypatch.context() as m:
+    m.setattr(jax, "jit", compiling)
+    copy = manager.device_copy(tree, roomy)
+  assert copy["step"] == 7
+  for name in ("a", "b", "scale"):
+    new, old = copy[name], tree[name]
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(old))
+    assert (new.sharding, new.dtype, new.weak_type) == (old.sharding, old.dtype, old.weak_type)
+    assert new.addressable_shards[0].data.unsafe_buffer_pointer() != (
+        old.addressable_shards[0].data.unsafe_buffer_pointer())
+  with monkeypatch.context() as m:  # (another kind of state: compiled when first copied)
+    m.setattr(jax, "jit", compiling)
+    with pytest.raises(AssertionError, match="compiled at the save"):
+      manager.device_copy({"c": jnp.ones(5)}, roomy)
+  checkpointer.close()
 
 
 def test_a_failed_saves_directory_made_again_by_writes_still_ending_is_removed_for_good(tmp_path):

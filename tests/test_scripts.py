@@ -496,9 +496,8 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
   from jmoe.train.loop import Trainer
   real_copy = manager.device_copy
   copies = []
-  monkeypatch.setattr(manager, "device_copy", lambda tree, **kw: copies.append(tree) or (
-      real_copy(tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}, **kw)
-      if room else None))
+  monkeypatch.setattr(manager, "device_copy", lambda tree: copies.append(tree) or (real_copy(
+      tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}) if room else None))
   config = tiny_config(train=dict(steps=4, log_every=1))
   with Trainer(config, tmp_path, progress=False) as trainer:
     trainer.train(2)
@@ -513,6 +512,25 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
     assert all(a is b for a, b in zip(before, after)) == room
     trainer.train(1)
     assert trainer.step == 3
+
+
+def test_the_loops_step_after_each_probe_runs_untimed_unless_it_saves(tmp_path):
+  """scripts/loop_timing.py: the loop's first step after a probe (slowed by the probe, not by
+  the loop) is left out of the timed steps, except where it is a checkpoint's step (a save's
+  cost is the loop's) or its part has no other step; the run still takes all its steps."""
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import loop_timing
+  from helpers import tiny_config
+  config = tiny_config(train=dict(steps=9, log_every=1), checkpoint=dict(every=6, keep=5))
+  # 8 timed steps after 1: probes after timed steps 1, 4 and 7 (steps 2, 5 and 8); after the
+  # first, step 3 runs untimed; after the second, step 6 saves (timed); after the third, 9 is
+  # alone in its part (timed)
+  figures = loop_timing.loop_figures(config, steps=9, warmup=1, probes=3)
+  assert figures["loop_probe_steps"] == [2, 5, 8]
+  assert figures["loop_untimed_after_probes"] == 1 and figures["loop_timed_steps"] == 7
+  assert figures["loop_checkpoints"] == 2  # (steps 6 and 9: every step was taken)
+  logged = [step for step, _ in figures["loop_intervals"]]
+  assert 3 not in logged and {4, 5, 6, 7, 8, 9} <= set(logged), logged
 
 
 def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them():

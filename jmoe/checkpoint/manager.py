@@ -8,10 +8,9 @@ Each step's checkpoint holds three items:
 Saves are asynchronous: the state is copied on its devices (where they have room for a copy beside
 the step's peak), `save` returns at once and training goes on while a thread of the checkpointer
 copies that to the host and Orbax writes it in the background; the next save (or `wait`) waits for
-both. With room for part of the state, that part is copied there and `save` returns once the rest
-is in page-locked host memory. Without room, or with several processes (Orbax's barriers between
-them are device collectives, which must not run beside a step's), `save` returns once the arrays
-are on the host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
+both. Without room for the copy, or with several processes (Orbax's barriers between them are
+device collectives, which must not run beside a step's), `save` returns once the arrays are on the
+host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
 and renames it to `<step>` when complete, so a save cut short leaves no half-written step behind. A
 save that fails, in the foreground or the background, removes its temporary directory and raises a
 ConfigError naming the step, the directory and the cause at the next `save` or `wait`; a run
@@ -37,16 +36,14 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from flax import nnx
 from jax.experimental import multihost_utils
 
-from jmoe.checkpoint import pinned
+from jmoe.checkpoint import pinned, writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
                                   remove_tree, require_complete, unfinished_saves)
-from jmoe.checkpoint import writer
+from jmoe.checkpoint.snapshot import copy_program, device_copy, on_same_devices
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -83,36 +80,6 @@ def describe_mismatch(saved: Any, target: Any) -> str | None:
   return None
 
 
-def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats(), *,
-                partial: bool = False) -> Any | None:
-  """`tree` with each of its arrays copied on the devices it lies on, or None where a device has
-  no memory figures (the host's own) or too little room: its peak so far (a training step's)
-  and the copies must fit in 95% of its memory. With `partial`, the arrays that fit (the largest
-  first) are copied and the others are left in the tree as they are (None where none fits)."""
-  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-  room: dict[Any, float] = {}
-  for device in {shard.device for x in arrays for shard in x.addressable_shards}:
-    stats = memory_stats(device) or {}
-    if "bytes_limit" not in stats:
-      return None
-    room[device] = 0.95 * stats["bytes_limit"] - stats.get(
-        "peak_bytes_in_use", stats.get("bytes_in_use", 0))
-  copied = set()
-  for x in sorted(arrays, key=lambda x: x.nbytes, reverse=True):
-    needed: dict[Any, int] = {}
-    for shard in x.addressable_shards:
-      needed[shard.device] = needed.get(shard.device, 0) + shard.data.nbytes
-    if all(nbytes <= room[device] for device, nbytes in needed.items()):
-      for device, nbytes in needed.items():
-        room[device] -= nbytes
-      copied.add(id(x))
-    elif not partial:
-      return None
-  if not copied:
-    return None
-  return jax.tree.map(lambda x: jnp.copy(x) if id(x) in copied else x, tree)
-
-
 class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
@@ -126,7 +93,6 @@ class Checkpointer:
     # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
     self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
     self._compress_waited = compress_waited  # (writes beside training are always compressed)
-    self._pinned = pinned_transfer
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -148,6 +114,7 @@ class Checkpointer:
     self._thread_error: Exception | None = None
     self._copies_noted = False
     self._reserving: threading.Thread | None = None  # page-locked host memory being reserved
+    self._compiling: threading.Thread | None = None  # the state's device copy being compiled
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -160,18 +127,32 @@ class Checkpointer:
 
   def reserve_host_memory(self, state: Any) -> None:
     """Starts reserving the page-locked host memory the saves of `state` will copy into (GPU,
-    asynchronous saves in one process), in a thread: called before the step compiles, so that
-    the first save does not hold training up while the pages are locked (jmoe/checkpoint/
-    pinned.py)."""
-    if (self._async and jax.process_count() == 1 and jax.default_backend() == "gpu"
-        and pinned.has_pinned_host(state)):
+    asynchronous saves in one process), in a thread, and compiling the copy of it on the
+    devices in another: called before the step compiles, so that the first save does not hold
+    training up while the pages are locked (jmoe/checkpoint/pinned.py) or the copy compiles."""
+    if not (self._async and jax.process_count() == 1 and jax.default_backend() == "gpu"):
+      return
+    if pinned.has_pinned_host(state):
       self._reserving = pinned.reserve_in_thread(state)
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
+              if isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
+
+    def compile_copy():
+      try:
+        for at in on_same_devices(leaves):
+          copy_program([leaves[i] for i in at])
+      except Exception as e:  # noqa: BLE001 - an optimisation; the first save compiles it
+        log.debug("checkpoints: compiling the state's copy failed: %s", e)
+
+    self._compiling = threading.Thread(target=compile_copy, name="jmoe-copy-compile",
+                                       daemon=True)
+    self._compiling.start()
 
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
            run: dict[str, Any] | None = None, *, waited: bool = False) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
-    `step`; returns before the write ends (with async saves, before the arrays that the devices
-    have room to copy reach the host). A step that is already saved is left as it
+    `step`; returns before the write ends (with async saves, before the arrays reach the host
+    where the devices have room for a copy of them). A step that is already saved is left as it
     is. `waited`: the caller waits for this save (a run's last), so its write takes every core
     and is compressed only with `compress_waited`; else a write in the background is held to
     `write_threads` and compressed (jmoe/checkpoint/writer.py).
@@ -179,19 +160,13 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self.wait()
-    reserving, self._reserving = self._reserving, None
-    if reserving is not None:  # (long done, unless the first save comes within seconds)
-      reserving.join()
+    for thread in (self._reserving, self._compiling):  # (long done, unless the first save
+      if thread is not None:  # comes within seconds)
+        thread.join()
+    self._reserving = self._compiling = None
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there.
-    # Where the devices have room for part of the state only (an 80 GB card), that part is
-    # copied there and training waits only while the rest goes to the host.
-    partial = self._pinned is not False and pinned.has_pinned_host(state)
-    copy = (device_copy(state, partial=partial) if self._async and jax.process_count() == 1
-            else None)
-    staged = 0
-    if copy is not None and partial:
-      copy, staged = pinned.put_uncopied(copy, state)
+    copy = device_copy(state) if self._async and jax.process_count() == 1 else None
     beside = self._async and not waited  # (training goes on while this save is written)
     use_array_writer(self._write_threads if beside else None,
                      compressed=beside or self._compress_waited)
@@ -199,13 +174,8 @@ class Checkpointer:
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else
              "the devices lack room for a copy beside the step's peak")
-      total = sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
-      log.info("checkpoints: %s", (
-          "the state is copied on its devices and training goes on while the copy goes to the "
-          "host" if not staged else
-          f"{(total - staged) / 2**30:.1f} GiB of the state's {total / 2**30:.1f} are copied on "
-          f"its devices (the room beside the step's peak); training waits while the rest goes "
-          f"to the host") if copy is not None else
+      log.info("checkpoints: %s", "the state is copied on its devices and training goes on "
+               "while the copy goes to the host" if copy is not None else
                f"training waits while the state goes to the host ({why})")
     items = dict(data=ocp.args.JsonSave(data or {}))
     if run:

@@ -6,8 +6,7 @@ the pages is slow (about 0.6 s per GiB measured on an H200 host, 2026-12-02) and
 GPU's work meanwhile, even when the copy runs in another thread: the first save of a 31 GiB state
 stopped training for about 19 s, the later saves for none. `reserve` makes that first allocation
 while the train step compiles (the device idle), with arrays of the saved state's shapes and
-placement, so that the first save finds the memory ready. A save whose devices have room to copy part of
-the state only puts the rest there itself before training goes on (`put_uncopied`).
+placement, so that the first save finds the memory ready.
 """
 
 from __future__ import annotations
@@ -51,23 +50,6 @@ def reserve(tree: Any) -> None:
     x.delete()
   log.info("checkpoints: %.1f GiB of page-locked host memory reserved in %.1f s",
             nbytes / 2**30, time.perf_counter() - started)
-
-
-def put_uncopied(copy: Any, state: Any) -> tuple[Any, int]:
-  """`copy` (a `device_copy` of `state` that left some of its arrays as they are) with those
-  arrays put in page-locked host memory, waited for (the next step may overwrite them), and
-  their bytes."""
-  moved = []
-
-  def one(copied, original):
-    if copied is not original or not isinstance(original, jax.Array):
-      return copied
-    moved.append(jax.device_put(original, original.sharding.with_memory_kind(PINNED)))
-    return moved[-1]
-
-  out = jax.tree.map(one, copy, state)
-  jax.block_until_ready(moved)
-  return out, sum(x.nbytes for x in moved)
 
 
 def reserve_in_thread(tree: Any) -> threading.Thread:
