@@ -52,9 +52,10 @@ _copy_programs_lock = threading.Lock()  # the compiled program that copies them 
 def copy_program(arrays: list) -> Callable[[list], list]:
   """The compiled program copying a list of arrays like `arrays` (jax.Arrays or
   ShapeDtypeStructs with their shardings, all on one set of devices) there, in one launch; compiled once per
-  kind of list and kept. Compiled when the first save needed it, it held that save (and the
-  steps) up for about 0.45 s on an H100 (a copy compiled for each of a state's arrays;
-  2026-12-06), so `Checkpointer.reserve_host_memory` compiles it while the train step does."""
+  kind of list and kept. A copy compiled for each of a state's arrays when the first save needed
+  them held that save (and the steps) up for 0.44 s on an H100 (a 17.4 GiB state, 2026-12-06),
+  so `Checkpointer.reserve_host_memory` compiles this while the train step compiles: the first
+  save then returned in 9 ms."""
   weak = lambda x: bool(getattr(x, "weak_type", False))
   key = tuple((tuple(x.shape), np.dtype(x.dtype), x.sharding, weak(x)) for x in arrays)
   with _copy_programs_lock:
