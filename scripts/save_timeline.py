@@ -1,7 +1,7 @@
 """Where a periodic save's cost on the steps beside it goes, read from a profiler trace.
 
   python scripts/save_timeline.py [--config configs/bench/qwen3_30b_a3b_1gpu.py]
-      [--save-at 20] [--after 15] [--variants pinned,pageable]
+      [--save-at 20] [--after 15] [--variants pinned,paced,pageable]
       [--dir /dev/shm/jmoe-save-timeline] [--out DIR] [--config.X=Y ...]
 
 One jmoe.train `Trainer` on the config, `checkpoint.every=--save-at`, and a save traced for each
@@ -9,7 +9,8 @@ of `--variants` (at --save-at, twice --save-at, ...): the loop's steps up to thr
 untraced (compilation, warm-up), then its own steps from there to `--after` steps past the save
 are traced (jax.profiler, Python frames on), the save among them as the loop starts it. The
 variants say how the save copies the state to the host: through page-locked memory (`pinned`,
-Orbax's way on a GPU) or into pageable memory. Printed, a JSON line per variant (`timeline`):
+Orbax's way on a GPU: every array's transfer started at once), the same one array at a time,
+each waited for (`paced`: where the state was copied on the device), or into pageable memory. Printed, a JSON line per variant (`timeline`):
 the device's idle gaps in the traced window (each over 1 ms, the largest first, with when they
 began after the save was called and what the loop's host thread was doing then), its busy share
 before the save, while the state went to the host and after, and the device-to-host copies
@@ -174,9 +175,10 @@ def main(argv=None) -> int:
   parser.add_argument("--config", default="configs/bench/qwen3_30b_a3b_1gpu.py")
   parser.add_argument("--save-at", type=int, default=20)
   parser.add_argument("--after", type=int, default=15)
-  parser.add_argument("--variants", default="pinned,pageable",
+  parser.add_argument("--variants", default="pinned,paced",
                       help="the traced saves, one each, in order: how each copies the state to "
-                           "the host, `pinned` (Orbax's way on a GPU) or `pageable`")
+                           "the host, `pinned` (Orbax's way on a GPU), `paced` (the same, an "
+                           "array at a time) or `pageable`")
   parser.add_argument("--dir", type=pathlib.Path,
                       default=pathlib.Path("/dev/shm/jmoe-save-timeline"))
   parser.add_argument("--out", type=pathlib.Path, help="keep the traces here")
@@ -185,8 +187,8 @@ def main(argv=None) -> int:
   if args.save_at < 4 or not 1 <= args.after <= args.save_at - 4:
     parser.error("--save-at must be 4 or more (three steps traced before each save) and --after "
                  "from 1 to --save-at - 4 (no other save in the window)")
-  if any(v not in ("pinned", "pageable") for v in variants):
-    parser.error(f"--variants: each is pinned or pageable, not {args.variants!r}")
+  if any(v not in ("pinned", "paced", "pageable") for v in variants):
+    parser.error(f"--variants: each is pinned, paced or pageable, not {args.variants!r}")
   if args.dir.exists():
     parser.error(f"{args.dir} exists: give a directory that does not (it is removed at the end)")
   from jmoe.xla_flags import set_gpu_flags
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
         trainer.checkpointer.close()
         trainer.checkpointer = Checkpointer(
             args.dir / f"v{i}_{variant}", keep=1, write_threads=config.checkpoint.write_threads,
-            pinned_transfer=variant == "pinned")
+            pinned_transfer=variant != "pageable", paced_transfer=variant == "paced")
         annotated(trainer.checkpointer)
         trainer.train(args.save_at * i - 3 - trainer.step)
         jax.block_until_ready(trainer.state)

@@ -275,6 +275,41 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
   assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["1"]
 
 
+def test_a_paced_save_takes_its_device_copy_to_the_host_one_array_at_a_time(tmp_path,
+                                                                           monkeypatch):
+  """With `paced_transfer`, the save's thread puts the state's device copy in page-locked host
+  memory array by array, deleting each device array once it is there, and Orbax writes from
+  those: the checkpoint holds the state as it was, restored onto the devices."""
+  from jmoe.checkpoint import manager
+  mesh = jax.make_mesh((8,), ("data",))
+  values = {"split": np.arange(8 * 16, dtype=np.float32).reshape(8, 16),
+            "replicated": np.arange(3, dtype=np.float32)}
+  make = lambda: {"split": jax.device_put(values["split"], NamedSharding(mesh, PartitionSpec(
+      "data"))), "replicated": jax.device_put(values["replicated"], NamedSharding(
+          mesh, PartitionSpec()))}
+  roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
+  real_copy, copies, given = manager.device_copy, [], []
+  monkeypatch.setattr(manager, "device_copy",
+                      lambda tree: copies.append(real_copy(tree, roomy)) or copies[-1])
+  checkpointer = Checkpointer(tmp_path / "c", keep=1, paced_transfer=True)
+  start = checkpointer._start
+  monkeypatch.setattr(checkpointer, "_start",
+                      lambda step, state, items: given.append(state) or start(step, state, items))
+  state = make()
+  checkpointer.save(1, state)
+  jax.tree.map(lambda x: x.delete(), state)
+  checkpointer.wait()
+  assert {k: x.sharding.memory_kind for k, x in given[0].items()} == {
+      "split": "pinned_host", "replicated": "pinned_host"}
+  assert all(copies[0][k].is_deleted() for k in values)
+  abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in values.items()}
+  restored, _ = checkpointer.restore(1, abstract, {k: x.sharding for k, x in make().items()})
+  for name, want in values.items():
+    np.testing.assert_array_equal(restored[name], want)
+    assert restored[name].sharding.memory_kind == "device"
+  checkpointer.close()
+
+
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
   """A save written in the background (training goes on beside it: copied on the devices first,
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,

@@ -562,7 +562,7 @@ def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them
   assert figures["d2h_ms"] == [2.29, 5.79] and figures["to_host_ms"] == [2.09, 5.79]
   assert "error" in timeline(meta + kernels + host[:1])  # no save in the window
   assert "error" in timeline(meta + host)  # no device kernels
-  for arguments, why in ((["--variants", "pinned,fast"], "each is pinned or pageable"),
+  for arguments, why in ((["--variants", "pinned,fast"], "each is pinned, paced or pageable"),
                          (["--save-at", "6", "--after", "3"], "--after from 1 to --save-at - 4")):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_timeline.py"),
                               *arguments], cwd=ROOT, capture_output=True, text=True, timeout=60)

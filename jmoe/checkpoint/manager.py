@@ -84,15 +84,18 @@ class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
                write_threads: int | None = 0, compress_waited: bool = False,
-               pinned_transfer: bool | None = None):
+               pinned_transfer: bool | None = None, paced_transfer: bool = False):
     """`pinned_transfer`: whether a save copies the arrays to the host through page-locked
-    memory (None: Orbax's choice, on a GPU yes), else into pageable memory (for comparing the
-    two: scripts/save_timeline.py)."""
+    memory (None: Orbax's choice, on a GPU yes), else into pageable memory. `paced_transfer`:
+    a copy made on the devices goes to page-locked memory one array at a time, each waited for
+    (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
+    (scripts/save_timeline.py)."""
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()  # (before Orbax's handlers are made: without it a later save's writer
     # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
     self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
     self._compress_waited = compress_waited  # (writes beside training are always compressed)
+    self._paced = paced_transfer
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -198,7 +201,10 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _start_in_thread(self, step: int, state: Any, items: dict[str, Any]) -> None:
+    """`_start` on a copy of the state made on its devices for this save."""
     try:
+      if self._paced and pinned.has_pinned_host(state):
+        state = pinned.put_in_turn(state)
       self._start(step, state, items)
     except Exception as e:  # noqa: BLE001 - raised by `wait`
       self._thread_error = e
