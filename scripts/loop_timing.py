@@ -46,7 +46,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
     with Trainer(config, workdir, progress=False) as trainer:
       trainer.train(warmup)
       jax.block_until_ready(trainer.state)
-      for mark in marks:
+      for k, mark in enumerate(marks):
         with GpuClocks() as clocks:
           t0 = time.perf_counter()
           records += trainer.train(mark - done, final_save=mark == timed)
@@ -59,7 +59,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
           middle.append(probe_s)
           middle_clocks.append(probe_clocks.figures())
           every = config.checkpoint.every
-          if next_mark(marks, mark) - done >= 2 and not (every and (trainer.step + 1) % every == 0):
+          if marks[k + 1] - done >= 2 and not (every and (trainer.step + 1) % every == 0):
             trainer.train(1)  # (untimed: the step after the probe; see above)
             jax.block_until_ready(trainer.state)
             done, untimed = done + 1, untimed + 1
@@ -109,10 +109,6 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
         "loop_steps_vs_mean_step": round(mean_s * timed / stepped, 3),
         "loop_vs_mean_step": round(mean_s * timed / seconds, 3)})
   return figures
-
-
-def next_mark(marks: list[int], mark: int) -> int:
-  return min(m for m in marks if m > mark)
 
 
 def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[float, GpuClocks]:

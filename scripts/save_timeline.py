@@ -10,12 +10,12 @@ untraced (compilation, warm-up), then its own steps from there to `--after` step
 are traced (jax.profiler, Python frames on), the save among them as the loop starts it. The
 variants say how the save copies the state to the host: through page-locked memory (`pinned`,
 Orbax's way on a GPU: every array's transfer started at once), the same one array at a time,
-each waited for (`paced`: where the state was copied on the device), or into pageable memory. Printed, a JSON line per variant (`timeline`):
-the device's idle gaps in the traced window (each over 1 ms, the largest first, with when they
-began after the save was called and what the loop's host thread was doing then), its busy share
-before the save, while the state went to the host and after, and the device-to-host copies
-(their count, bytes, span and streams). `--out` keeps the traces. The workdir `--dir` is removed
-at the end.
+each waited for (`paced`: where the state was copied on the device), or into pageable memory.
+Printed, a JSON line per variant (`timeline`): the device's idle gaps in the traced window (each
+over 1 ms, the largest first, with when they began after the save was called and what the loop's
+host thread was doing then), its busy share before the save, while the state went to the host and
+after, and the device-to-host copies (their count, bytes, span and streams). `--out` keeps the
+traces. The workdir `--dir` is removed at the end.
 """
 
 from __future__ import annotations
@@ -116,9 +116,10 @@ def timeline(events: list[dict]) -> dict:
   gaps.sort(key=lambda g: g[0] - g[1])
   # (the step's own copies to the host, its metrics, are a few bytes each: the save's span is
   # that of the copies of 64 KiB and more)
-  large = [e for e in copies if copied_bytes(e) >= SAVE_COPY_BYTES] or copies
-  copy_span = ((min(float(e["ts"]) for e in large),
-                max(float(e["ts"]) + float(e["dur"]) for e in large)) if large else None)
+  large = [e for e in copies if copied_bytes(e) >= SAVE_COPY_BYTES]
+  spanned = large or copies
+  copy_span = ((min(float(e["ts"]) for e in spanned),
+                max(float(e["ts"]) + float(e["dur"]) for e in spanned)) if spanned else None)
   host_span = ((float(to_host[0]["ts"]), float(to_host[0]["ts"]) + float(to_host[0]["dur"]))
                if to_host else None)
   during = copy_span or host_span
@@ -137,7 +138,7 @@ def timeline(events: list[dict]) -> dict:
       "d2h_copies": len(copies),
       "d2h_gib": round(sum(copied_bytes(e) for e in copies) / 2**30, 3),
       "d2h_ms": [ms(copy_span[0] - t0), ms(copy_span[1] - t0)] if copy_span else None,
-      "d2h_large": len(large) if copies else 0,
+      "d2h_large": len(large),
       "d2h_streams": sorted({str(e["tid"]) for e in copies}),
       "d2h_first": [copies[0]["name"], copies[0].get("args")] if copies else None,
       "kernel_streams": collections.Counter(str(e["tid"]) for e in kernels).most_common(4),

@@ -43,7 +43,7 @@ from jax.experimental import multihost_utils
 from jmoe.checkpoint import pinned, writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
                                   remove_tree, require_complete, unfinished_saves)
-from jmoe.checkpoint.snapshot import copy_program, device_copy, on_same_devices
+from jmoe.checkpoint.snapshot import copy_programs, device_copy
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -142,8 +142,7 @@ class Checkpointer:
 
     def compile_copy():
       try:
-        for at in on_same_devices(leaves):
-          copy_program([leaves[i] for i in at])
+        copy_programs(leaves)
       except Exception as e:  # noqa: BLE001 - an optimisation; the first save compiles it
         log.debug("checkpoints: compiling the state's copy failed: %s", e)
 

@@ -29,20 +29,21 @@ def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory
         > 0.95 * stats["bytes_limit"]):
       return None
   leaves, treedef = jax.tree.flatten(tree)
-  for at in on_same_devices(leaves):
-    for i, x in zip(at, copy_program([leaves[i] for i in at])([leaves[i] for i in at])):
+  for at, program in copy_programs(leaves):
+    for i, x in zip(at, program([leaves[i] for i in at])):
       leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
 
 
-def on_same_devices(leaves: list) -> list[list[int]]:
-  """The indices of the arrays among `leaves` (jax.Arrays or ShapeDtypeStructs), grouped by the
-  devices they lie on (one program runs on one set of devices), in order."""
+def copy_programs(leaves: list) -> list[tuple[list[int], Callable[[list], list]]]:
+  """For the arrays among `leaves` (jax.Arrays or ShapeDtypeStructs; other leaves are passed
+  over), grouped by the devices they lie on (one program runs on one set of devices): each
+  group's indices, in order, and `copy_program` for it."""
   groups: dict[frozenset, list[int]] = {}
   for i, x in enumerate(leaves):
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
       groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-  return list(groups.values())
+  return [(at, copy_program([leaves[i] for i in at])) for at in groups.values()]
 
 
 _copy_programs: dict[tuple, Any] = {}  # a list of arrays' (shape, dtype, sharding, weak type)s:
@@ -51,11 +52,11 @@ _copy_programs_lock = threading.Lock()  # the compiled program that copies them 
 
 def copy_program(arrays: list) -> Callable[[list], list]:
   """The compiled program copying a list of arrays like `arrays` (jax.Arrays or
-  ShapeDtypeStructs with their shardings, all on one set of devices) there, in one launch; compiled once per
-  kind of list and kept. A copy compiled for each of a state's arrays when the first save needed
-  them held that save (and the steps) up for 0.44 s on an H100 (a 17.4 GiB state, 2026-12-06),
-  so `Checkpointer.reserve_host_memory` compiles this while the train step compiles: the first
-  save then returned in 9 ms."""
+  ShapeDtypeStructs with their shardings, all on one set of devices) there, in one launch;
+  compiled once per kind of list and kept. A copy compiled for each of a state's arrays when
+  the first save needed them held that save (and the steps) up for 0.44 s on an H100 (a 17.4
+  GiB state, 2026-12-06), so `Checkpointer.reserve_host_memory` compiles this while the train
+  step compiles: the first save then returned in 9 ms."""
   weak = lambda x: bool(getattr(x, "weak_type", False))
   key = tuple((tuple(x.shape), np.dtype(x.dtype), x.sharding, weak(x)) for x in arrays)
   with _copy_programs_lock:
