@@ -1,18 +1,26 @@
-"""How fast jmoe's Checkpointer writes a state of a given size, by the size of TensorStore's data
-files (jmoe/checkpoint/writer.py DATA_FILE_BYTES), into the directories given, beside the rate
-of plain file writes of the same bytes.
+"""How fast jmoe's Checkpointer writes a state of a given size, as a run's last save writes it,
+beside the rate of plain file writes of the same bytes.
 
-  python scripts/save_rate.py [--gib 18] [--file-mib 2048,64,16] [--repeats 2] DIR [DIR ...]
+  python scripts/save_rate.py [--gib 18] [--file-mib 64] [--threads default] [--raw-threads 0]
+      [--repeats 2] DIR [DIR ...]
 
 The state is a Qwen3-30B-A3B-like stack of expert weights (bf16) and AdamW moments (float32),
 random, on the default device, each array a Variable whose leading axes are layers and experts,
-so that it is stored one (layer, expert) chunk at a time as a train state's expert weights are
-(until 2026-12-06 they were plain arrays, each stored as one chunk). A save copies it to the host
-and writes it as training does (in the foreground, so the time is the save's: uncompressed, as
-a save training waits for). Each save is timed, then removed; then the same bytes, fetched to
-the host, are written as plain files of the data file size by a thread per core (`raw_*`: what
-the file system and the host's memory allow) and removed. Prints one JSON line per save: the
-directory, the data file size, the seconds, GB/s, the size on disk and the raw write's figures.
+so that it is stored one (layer, expert) chunk at a time as a train state's expert weights are.
+Each save is the run's last as `jmoe.train` makes it: an asynchronous Checkpointer whose host
+memory was reserved beforehand (page-locked on a GPU), `save(waited=True)`, uncompressed, then
+`wait`; timed in two parts, the copy to the host (`to_host_s`, until `save` returns) and the
+write (`write_s`). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
+reached also removes the oldest step, in the save's time); each saved step is then removed and
+timed (`removed`: by a thread per two cores unlinking its files, as Orbax removes old steps, then
+by one thread, alternately: on tmpfs, freeing the pages is most of it). `--file-mib`: TensorStore's data file sizes
+(jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the threads of each of TensorStore's
+two pools for the save (`default`: TensorStore's own, as jmoe's waited saves take). Beside, once
+per directory and file size, the same bytes, already on the host, are written as plain files of
+that size by each of `--raw-threads` threads (0: one per core) and removed (`raw`: what the file
+system and the host's memory allow). Until 2026-12-06 the save was synchronous and the plain
+writes' time held the fetch to pageable memory, which on a GPU is most of it.
+Prints one JSON line per save.
 """
 
 from __future__ import annotations
@@ -45,30 +53,42 @@ def state_of(gib: float):
   return jax.block_until_ready(state)
 
 
-def raw_write(arrays, directory: pathlib.Path, file_bytes: int) -> float:
-  """Seconds to fetch `arrays` to the host and write their bytes as plain files of
-  `file_bytes` in `directory` (made, then removed), a thread per core."""
+def raw_write(arrays: dict, directory: pathlib.Path, file_bytes: int, threads: int) -> float:
+  """Seconds to write the bytes of `arrays` (host arrays) as plain files of `file_bytes` in
+  `directory` (made, then removed) by `threads` threads."""
   import concurrent.futures
-  import numpy as np
-  from jmoe.checkpoint.writer import host_cores
 
   def write(job):
     name, part, view = job
     with open(directory / f"{name}.{part}", "wb") as f:
       f.write(view)
 
-  directory.mkdir(parents=True)
-  started = time.perf_counter()
   jobs = []
   for name, x in arrays.items():
-    data = memoryview(np.ascontiguousarray(np.asarray(x)).reshape(-1).view(np.uint8))
+    data = memoryview(x.reshape(-1).view("uint8"))
     jobs += [(name, i // file_bytes, data[i:i + file_bytes])
              for i in range(0, len(data), file_bytes)]
-  with concurrent.futures.ThreadPoolExecutor(host_cores()) as pool:
+  directory.mkdir(parents=True)
+  started = time.perf_counter()
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
     list(pool.map(write, jobs))
   seconds = time.perf_counter() - started
   shutil.rmtree(directory)
   return seconds
+
+
+def numbers(text: str, name: str, parser, *, default: str | None = None) -> list:
+  """`text`'s comma-separated positive integers (and `default`, as None, where named)."""
+  out = []
+  for item in text.split(","):
+    if default is not None and item == default:
+      out.append(None)
+    elif item.isdigit() and int(item) > 0 or (name == "--raw-threads" and item == "0"):
+      out.append(int(item))
+    else:
+      parser.error(f"{name}: each is a positive whole number{f' or {default}' if default else ''}"
+                   f", not {item!r}")
+  return out
 
 
 def main(argv=None) -> int:
@@ -76,36 +96,70 @@ def main(argv=None) -> int:
   parser.add_argument("dirs", nargs="+", type=pathlib.Path,
                       help="where to write (a directory of its own: it is removed after each save)")
   parser.add_argument("--gib", type=float, default=18.0)
-  parser.add_argument("--file-mib", default="2048,64,16")
+  parser.add_argument("--file-mib", default="64")
+  parser.add_argument("--threads", default="default")
+  parser.add_argument("--raw-threads", default="0")
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args(argv)
+  file_mibs = numbers(args.file_mib, "--file-mib", parser)
+  thread_counts = numbers(args.threads, "--threads", parser, default="default")
+  raw_counts = numbers(args.raw_threads, "--raw-threads", parser)
   for d in args.dirs:
     if d.exists():
       parser.error(f"{d} exists: give a directory that does not (it is removed after each save)")
+  import numpy as np
   from jmoe.checkpoint import Checkpointer, writer
   state = state_of(args.gib)
-  arrays = {name: x.get_value() for name, x in state.items()}
-  nbytes = sum(x.nbytes for x in arrays.values())
+  host = {name: np.asarray(x.get_value()) for name, x in state.items()}
+  nbytes = sum(x.nbytes for x in host.values())
   for d in args.dirs:
-    for mib in (int(m) for m in args.file_mib.split(",")):
-      for repeat in range(args.repeats):
-        writer.DATA_FILE_BYTES = mib * 2**20
-        checkpointer = Checkpointer(d, keep=1, async_save=False)
-        started = time.perf_counter()
-        checkpointer.save(1, state)
-        checkpointer.wait()
-        seconds = time.perf_counter() - started
+    for mib in file_mibs:
+      writer.DATA_FILE_BYTES = mib * 2**20
+      raw = {}
+      for threads in raw_counts:
+        threads = threads or writer.host_cores()
+        raw[threads] = round(nbytes / raw_write(host, d, mib * 2**20, threads) / 1e9, 2)
+      for threads in thread_counts:
+        checkpointer = Checkpointer(d, keep=args.repeats, waited_write_threads=threads)
+        checkpointer.reserve_host_memory(state)
+        checkpointer.wait_reserved()
+        for repeat in range(args.repeats):
+          started = time.perf_counter()
+          checkpointer.save(repeat + 1, state, waited=True)
+          to_host = time.perf_counter() - started
+          checkpointer.wait()
+          seconds = time.perf_counter() - started
+          on_disk = sum(p.stat().st_size for p in (d / str(repeat + 1)).rglob("*")
+                        if p.is_file())
+          print(json.dumps({
+              "dir": str(d), "file_mib": mib, "threads": threads or "default",
+              "repeat": repeat, "state_gib": round(nbytes / 2**30, 2),
+              "seconds": round(seconds, 2), "gb_per_s": round(nbytes / seconds / 1e9, 2),
+              "to_host_s": round(to_host, 2), "write_s": round(seconds - to_host, 2),
+              "write_gb_per_s": round(nbytes / max(seconds - to_host, 1e-9) / 1e9, 2),
+              "on_disk_gib": round(on_disk / 2**30, 2), "raw_gb_per_s": raw}), flush=True)
         checkpointer.close()
-        on_disk = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        for repeat in range(args.repeats):
+          step = d / str(repeat + 1)
+          on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
+          threads = max(1, writer.host_cores() // 2) if repeat % 2 == 0 else 1
+          print(json.dumps({
+              "dir": str(d), "file_mib": mib, "removed": repeat + 1, "removed_gib":
+              round(on_disk / 2**30, 2), "remove_threads": threads,
+              "remove_s": round(remove(step, threads), 2)}), flush=True)
         shutil.rmtree(d)
-        raw = raw_write(arrays, d, mib * 2**20)
-        print(json.dumps({"dir": str(d), "file_mib": mib, "repeat": repeat,
-                          "state_gib": round(nbytes / 2**30, 2), "seconds": round(seconds, 2),
-                          "gb_per_s": round(nbytes / seconds / 1e9, 2),
-                          "on_disk_gib": round(on_disk / 2**30, 2),
-                          "raw_seconds": round(raw, 4),
-                          "raw_gb_per_s": round(nbytes / raw / 1e9, 2)}), flush=True)
   return 0
+
+
+def remove(directory: pathlib.Path, threads: int) -> float:
+  """Seconds to remove `directory`: its files unlinked by `threads` threads, then the rest."""
+  import concurrent.futures
+  started = time.perf_counter()
+  files = [p for p in directory.rglob("*") if p.is_file()]
+  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    list(pool.map(pathlib.Path.unlink, files))
+  shutil.rmtree(directory)
+  return time.perf_counter() - started
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ untraced (compilation, warm-up), then its own steps from there to `--after` step
 are traced (jax.profiler, Python frames on), the save among them as the loop starts it. The
 variants say how the save copies the state to the host: through page-locked memory (`pinned`,
 Orbax's way on a GPU: every array's transfer started at once), the same one array at a time,
-each waited for (`paced`: where the state was copied on the device), or into pageable memory.
+each waited for (`paced`: where the state was copied on the device), all at once but only
+after the loop has launched `--lead` more steps (`lead`: so that the device has them queued
+while the transfer holds the launches up), or into pageable memory.
 Printed, a JSON line per variant (`timeline`): the device's idle gaps in the traced window (each
 over 1 ms, the largest first, with when they began after the save was called and what the loop's
 host thread was doing then), its busy share before the save, while the state went to the host and
@@ -179,7 +181,9 @@ def main(argv=None) -> int:
   parser.add_argument("--variants", default="pinned,paced",
                       help="the traced saves, one each, in order: how each copies the state to "
                            "the host, `pinned` (Orbax's way on a GPU), `paced` (the same, an "
-                           "array at a time) or `pageable`")
+                           "array at a time), `lead` (pinned, after --lead steps) or `pageable`")
+  parser.add_argument("--lead", type=int, default=8,
+                      help="the `lead` variant's steps launched before the transfer starts")
   parser.add_argument("--dir", type=pathlib.Path,
                       default=pathlib.Path("/dev/shm/jmoe-save-timeline"))
   parser.add_argument("--out", type=pathlib.Path, help="keep the traces here")
@@ -188,8 +192,10 @@ def main(argv=None) -> int:
   if args.save_at < 4 or not 1 <= args.after <= args.save_at - 4:
     parser.error("--save-at must be 4 or more (three steps traced before each save) and --after "
                  "from 1 to --save-at - 4 (no other save in the window)")
-  if any(v not in ("pinned", "paced", "pageable") for v in variants):
-    parser.error(f"--variants: each is pinned, paced or pageable, not {args.variants!r}")
+  if any(v not in ("pinned", "paced", "lead", "pageable") for v in variants):
+    parser.error(f"--variants: each is pinned, paced, lead or pageable, not {args.variants!r}")
+  if "lead" in variants and not 1 <= args.lead < args.after:
+    parser.error("--lead must be from 1 to --after - 1 (the transfer within the traced steps)")
   if args.dir.exists():
     parser.error(f"{args.dir} exists: give a directory that does not (it is removed at the end)")
   from jmoe.xla_flags import set_gpu_flags
@@ -214,7 +220,8 @@ def main(argv=None) -> int:
         trainer.checkpointer.close()
         trainer.checkpointer = Checkpointer(
             args.dir / f"v{i}_{variant}", keep=1, write_threads=config.checkpoint.write_threads,
-            pinned_transfer=variant != "pageable", paced_transfer=variant == "paced")
+            pinned_transfer=variant != "pageable", paced_transfer=variant == "paced",
+            transfer_lead=args.lead if variant == "lead" else 0)
         annotated(trainer.checkpointer)
         trainer.train(args.save_at * i - 3 - trainer.step)
         jax.block_until_ready(trainer.state)

@@ -310,6 +310,45 @@ def test_a_paced_save_takes_its_device_copy_to_the_host_one_array_at_a_time(tmp_
   checkpointer.close()
 
 
+def test_a_saves_transfer_waits_for_the_loops_lead_of_steps(tmp_path, monkeypatch):
+  """With `transfer_lead` N, a save copied on the devices takes the copy to the host only once
+  the loop has launched N steps after it (`stepped`), at `wait` if it comes first, or after
+  TRANSFER_LEAD_S; every way, the checkpoint holds the state of the save's step."""
+  import threading
+  import time
+  from jmoe.checkpoint import manager
+  roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
+  real_copy = manager.device_copy
+  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(tree, roomy))
+  checkpointer = Checkpointer(tmp_path / "c", keep=3, transfer_lead=3)
+  started, start = threading.Event(), checkpointer._start
+  monkeypatch.setattr(checkpointer, "_start",
+                      lambda *args: started.set() or start(*args))
+  state = lambda v: {"w": jax.numpy.full((4, 8), v, np.float32)}
+  checkpointer.save(1, state(1.0))
+  for _ in range(2):
+    checkpointer.stepped()
+  assert not started.wait(0.5)  # (two steps of three: the transfer waits)
+  checkpointer.stepped()
+  assert started.wait(5.0)
+  checkpointer.save(2, state(2.0))  # (the first save is waited for; this one's lead is not met)
+  started.clear()
+  checkpointer.stepped()
+  checkpointer.wait()  # (starts it at once)
+  assert started.is_set()
+  monkeypatch.setattr(manager, "TRANSFER_LEAD_S", 0.2)
+  began = time.perf_counter()
+  checkpointer.save(3, state(3.0))
+  started.clear()
+  assert started.wait(5.0) and time.perf_counter() - began >= 0.2
+  checkpointer.wait()
+  abstract = {"w": jax.ShapeDtypeStruct((4, 8), np.float32)}
+  for step in (1, 2, 3):
+    restored, _ = checkpointer.restore(step, abstract, {"w": state(0.0)["w"].sharding})
+    np.testing.assert_array_equal(restored["w"], np.full((4, 8), float(step), np.float32))
+  checkpointer.close()
+
+
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
   """A save written in the background (training goes on beside it: copied on the devices first,
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
@@ -340,11 +379,15 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   in_background = Checkpointer(tmp_path / "a", keep=3, write_threads=3)
   in_foreground = Checkpointer(tmp_path / "f", keep=3, async_save=False, write_threads=3)
   compressing = Checkpointer(tmp_path / "c", keep=3, write_threads=3, compress_waited=True)
+  held = Checkpointer(tmp_path / "h", keep=3, write_threads=3, waited_write_threads=5)
+  # (a save the caller waits for is never copied on the devices: it returns once on the host)
   cases = [(in_background, 1, real_copy, False, True, (bounded, True)),  # (copied on the devices)
            (in_background, 2, None, False, False, (bounded, True)),  # (no room: Orbax's own thread)
-           (in_background, 3, real_copy, True, True, (own, False)),  # (the run's last save)
+           (in_background, 3, real_copy, True, False, (own, False)),  # (the run's last save)
            (in_foreground, 1, real_copy, False, False, (own, False)),
-           (compressing, 1, real_copy, True, True, (own, True))]  # (checkpoint.compress_waited)
+           (compressing, 1, real_copy, True, False, (own, True)),  # (checkpoint.compress_waited)
+           (held, 1, real_copy, True, False,
+            ({"data_copy_concurrency": 5, "file_io_concurrency": 5}, False))]
   for checkpointer, step, copy, waited, threaded, want in cases:
     monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
                         (lambda tree: None))
@@ -357,11 +400,11 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
     assert stored_compressors(checkpointer.directory / str(step) / "state") == (
         {name: want[1] for name in values}), step
   for checkpointer, step in ((in_background, 1), (in_background, 2), (in_background, 3),
-                             (in_foreground, 1), (compressing, 1)):
+                             (in_foreground, 1), (compressing, 1), (held, 1)):
     restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
     for name, array in values.items():
       np.testing.assert_array_equal(restored[name], array)
-  for checkpointer in (in_background, in_foreground, compressing):
+  for checkpointer in (in_background, in_foreground, compressing, held):
     checkpointer.close()
   for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (1, 1)):
     monkeypatch.setattr(writer, "host_cores", lambda: cores)

@@ -319,17 +319,29 @@ def test_save_cost_times_the_steps_beside_each_kind_of_save(tmp_path):
 def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   target = tmp_path / "saves"
   result = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(target),
-                           "--gib", "0.01", "--file-mib", "64,1", "--repeats", "1"],
+                           "--gib", "0.01", "--file-mib", "64,1", "--threads", "default,2",
+                           "--raw-threads", "0,3", "--repeats", "1"],
                           capture_output=True, text=True, timeout=300, env=command_env())
   assert result.returncode == 0, result.stderr
   lines = [json.loads(line) for line in result.stdout.splitlines()]
-  assert [r["file_mib"] for r in lines] == [64, 1]
+  removals = [r for r in lines if "removed" in r]
+  lines = [r for r in lines if "removed" not in r]
+  assert [(r["file_mib"], r["threads"]) for r in lines] == [
+      (64, "default"), (64, 2), (1, "default"), (1, 2)]
+  assert [(r["file_mib"], r["removed"]) for r in removals] == [(64, 1), (64, 1), (1, 1), (1, 1)]
+  assert all(r["remove_s"] > 0 and r["removed_gib"] > 0.004 for r in removals), removals
+  cores = str(len(os.sched_getaffinity(0)))
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
-             and r["raw_seconds"] > 0 and r["raw_gb_per_s"] > 0 for r in lines), lines
+             and 0 <= r["to_host_s"] <= r["seconds"] and r["write_gb_per_s"] > 0
+             and set(r["raw_gb_per_s"]) == {cores, "3"} and min(r["raw_gb_per_s"].values()) > 0
+             for r in lines), lines
   assert not target.exists()
-  refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(tmp_path)],
-                           capture_output=True, text=True, timeout=120, env=command_env())
-  assert refused.returncode == 2 and "exists" in refused.stderr
+  for argument, why in (([str(tmp_path)], "exists"),
+                        ([str(target), "--threads", "4,all"], "--threads: each is a positive")):
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), *argument],
+                             capture_output=True, text=True, timeout=120, env=command_env())
+    assert refused.returncode == 2 and why in refused.stderr, refused.stderr
+  assert not target.exists()
 
 
 def test_benchmark_reads_the_gpu_clocks_nvidia_smi_samples():
@@ -562,8 +574,10 @@ def test_save_timeline_finds_the_devices_idle_gaps_and_what_the_host_did_in_them
   assert figures["d2h_ms"] == [2.29, 5.79] and figures["to_host_ms"] == [2.09, 5.79]
   assert "error" in timeline(meta + kernels + host[:1])  # no save in the window
   assert "error" in timeline(meta + host)  # no device kernels
-  for arguments, why in ((["--variants", "pinned,fast"], "each is pinned, paced or pageable"),
-                         (["--save-at", "6", "--after", "3"], "--after from 1 to --save-at - 4")):
+  for arguments, why in ((["--variants", "pinned,fast"], "each is pinned, paced, lead or pageable"),
+                         (["--save-at", "6", "--after", "3"], "--after from 1 to --save-at - 4"),
+                         (["--variants", "pinned,lead", "--after", "5", "--lead", "5"],
+                          "--lead must be from 1 to --after - 1")):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_timeline.py"),
                               *arguments], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and why in refused.stderr, refused.stderr

@@ -50,6 +50,9 @@ from jmoe.errors import os_error
 
 log = logging.getLogger("jmoe")
 
+# The longest a save's transfer to the host waits for the loop's `transfer_lead` steps.
+TRANSFER_LEAD_S = 10.0
+
 
 def with_shardings(abstract: Any, shardings: Any) -> Any:
   """ShapeDtypeStructs that carry the shardings to restore into."""
@@ -84,18 +87,28 @@ class Checkpointer:
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
                write_threads: int | None = 0, compress_waited: bool = False,
-               pinned_transfer: bool | None = None, paced_transfer: bool = False):
+               pinned_transfer: bool | None = None, paced_transfer: bool = False,
+               waited_write_threads: int | None = None, transfer_lead: int = 0):
     """`pinned_transfer`: whether a save copies the arrays to the host through page-locked
     memory (None: Orbax's choice, on a GPU yes), else into pageable memory. `paced_transfer`:
     a copy made on the devices goes to page-locked memory one array at a time, each waited for
     (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
-    (scripts/save_timeline.py)."""
+    (scripts/save_timeline.py). `waited_write_threads`: the threads of each of TensorStore's
+    pools for a save the caller waits for (None: TensorStore's own; scripts/save_rate.py).
+    `transfer_lead`: a save whose state was copied on the devices starts taking the copy to
+    the host once the loop has launched this many steps after it (`stepped`), so that the
+    device has them queued while the transfer holds up the launch of the next ones (or after
+    TRANSFER_LEAD_S at most, or at `wait`); 0: at once."""
     self.directory = pathlib.Path(directory).absolute()
     use_array_writer()  # (before Orbax's handlers are made: without it a later save's writer
     # wrote no array metadata, "No ArrayMetadata found", in the tests of 2026-12-03)
     self._write_threads = write_threads  # for writes beside training (0: writer.py's choice)
+    self._waited_threads = waited_write_threads  # for writes the caller waits for
     self._compress_waited = compress_waited  # (writes beside training are always compressed)
     self._paced = paced_transfer
+    self._lead = transfer_lead
+    self._go: threading.Event | None = None  # set when the pending transfer may start
+    self._launched = 0  # steps launched since the pending save
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -150,6 +163,13 @@ class Checkpointer:
                                        daemon=True)
     self._compiling.start()
 
+  def wait_reserved(self) -> None:
+    """Waits for what `reserve_host_memory` started (the first save waits for it too)."""
+    for thread in (self._reserving, self._compiling):
+      if thread is not None:
+        thread.join()
+    self._reserving = self._compiling = None
+
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
            run: dict[str, Any] | None = None, *, waited: bool = False) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
@@ -162,17 +182,16 @@ class Checkpointer:
     if step in self._manager.all_steps():
       return
     self.wait()
-    for thread in (self._reserving, self._compiling):  # (long done, unless the first save
-      if thread is not None:  # comes within seconds)
-        thread.join()
-    self._reserving = self._compiling = None
-    # With several processes Orbax's save meets the others at barriers that are device
-    # collectives, which must not run beside a step's from another thread: foreground there.
-    copy = device_copy(state) if self._async and jax.process_count() == 1 else None
+    self.wait_reserved()  # (long done, unless the first save comes within seconds)
     beside = self._async and not waited  # (training goes on while this save is written)
-    use_array_writer(self._write_threads if beside else None,
+    # With several processes Orbax's save meets the others at barriers that are device
+    # collectives, which must not run beside a step's from another thread: foreground there. A
+    # save the caller waits for takes the state to the host as it is (a copy would only cost
+    # time and memory).
+    copy = device_copy(state) if beside and jax.process_count() == 1 else None
+    use_array_writer(self._write_threads if beside else self._waited_threads,
                      compressed=beside or self._compress_waited)
-    if self._async and not self._copies_noted and jax.default_backend() != "cpu":
+    if beside and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else
              "the devices lack room for a copy beside the step's peak")
@@ -190,18 +209,33 @@ class Checkpointer:
         raise self._failed(step, e) from None
       return
     self._thread_error = None
-    self._thread = threading.Thread(target=self._start_in_thread, args=(step, copy, items),
+    self._go, self._launched = (threading.Event() if self._lead else None), 0
+    self._thread = threading.Thread(target=self._start_in_thread,
+                                    args=(step, copy, items, self._go),
                                     name=f"jmoe-save-{step}", daemon=True)
     self._thread.start()
+
+  def stepped(self) -> None:
+    """Called by the training loop after it launches each step: counts them towards the pending
+    save's `transfer_lead`."""
+    go = self._go
+    if go is not None:
+      self._launched += 1
+      if self._launched >= self._lead:
+        go.set()
 
   def _start(self, step: int, state: Any, items: dict[str, Any]) -> None:
     """Orbax's save: returns once `state` is on the host, its write under way."""
     items = dict(state=writer.state_save(state), **items)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def _start_in_thread(self, step: int, state: Any, items: dict[str, Any]) -> None:
-    """`_start` on a copy of the state made on its devices for this save."""
+  def _start_in_thread(self, step: int, state: Any, items: dict[str, Any],
+                       go: threading.Event | None) -> None:
+    """`_start` on a copy of the state made on its devices for this save, once `go` is set
+    (or TRANSFER_LEAD_S has passed)."""
     try:
+      if go is not None:
+        go.wait(TRANSFER_LEAD_S)
       if self._paced and pinned.has_pinned_host(state):
         state = pinned.put_in_turn(state)
       self._start(step, state, items)
@@ -212,6 +246,9 @@ class Checkpointer:
     """Waits for the save under way; raises a ConfigError if it failed."""
     step, self._pending = self._pending, None
     thread, self._thread = self._thread, None
+    go, self._go = self._go, None
+    if go is not None:
+      go.set()
     if thread is not None:
       thread.join()
       if self._thread_error is not None:

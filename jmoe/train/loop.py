@@ -184,6 +184,7 @@ class Trainer:
     queued = None  # a logged step's (step, metrics), read after the next step is launched
     while self.step < end:
       self.state, metrics = self._step_fn(self.state, self.data.next_batch())
+      self.checkpointer.stepped()
       self.step = done = self.step + 1
       self._last_metrics = metrics
       if queued is not None:
