@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from jmoe.checkpoint.manager import with_shardings
+from jmoe.checkpoint.target import with_shardings
 from jmoe.config import ConfigError, DenseLayout, ExpertLayout, ParallelConfig
 from jmoe.data import first_batches
 from jmoe.model.pipeline import Schedule, Slots, bubble_fraction

@@ -36,7 +36,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
@@ -44,6 +43,7 @@ from jmoe.checkpoint import pinned, writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
                                   remove_tree, require_complete, unfinished_saves)
 from jmoe.checkpoint.snapshot import copy_programs, device_copy
+from jmoe.checkpoint.target import describe_mismatch, with_shardings
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -52,35 +52,6 @@ log = logging.getLogger("jmoe")
 
 # The longest a save's transfer to the host waits for the loop's `transfer_lead` steps.
 TRANSFER_LEAD_S = 10.0
-
-
-def with_shardings(abstract: Any, shardings: Any) -> Any:
-  """ShapeDtypeStructs that carry the shardings to restore into."""
-  return jax.tree.map(
-      lambda leaf, sharding: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding),
-      abstract, shardings)
-
-
-def describe_mismatch(saved: Any, target: Any) -> str | None:
-  """The first difference in structure, shape or dtype between saved metadata and a target tree,
-  or None when they agree."""
-  def by_name(tree):
-    return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-  saved_leaves, target_leaves = by_name(saved), by_name(target)
-  missing = sorted(target_leaves.keys() - saved_leaves.keys())
-  if missing:
-    return f"{len(missing)} array(s) this config needs are not in it, e.g. {missing[0]}"
-  extra = sorted(saved_leaves.keys() - target_leaves.keys())
-  if extra:
-    return f"it holds {len(extra)} array(s) this config does not have, e.g. {extra[0]}"
-  for name, want in target_leaves.items():
-    have = saved_leaves[name]
-    if tuple(have.shape) != tuple(want.shape) or np.dtype(have.dtype) != np.dtype(want.dtype):
-      return (f"{name} is {np.dtype(have.dtype).name}{list(have.shape)} there but "
-              f"{np.dtype(want.dtype).name}{list(want.shape)} in this config")
-  return None
 
 
 class Checkpointer:

@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from jmoe.checkpoint.disk import quiet_failed_writes, quiet_orbax, require_complete
-from jmoe.checkpoint.manager import Checkpointer, describe_mismatch, with_shardings
+from jmoe.checkpoint.manager import Checkpointer
+from jmoe.checkpoint.target import describe_mismatch, with_shardings
 from jmoe.checkpoint.fingerprint import fingerprint
 from jmoe.checkpoint.streamed import (OPENED, FoldedArray, StoredArray, open_checkpointer,
                                       unreadable)

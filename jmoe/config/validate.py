@@ -17,7 +17,8 @@ import math
 import re
 from typing import NamedTuple
 
-from jmoe.config.schema import LORA_TARGETS, OPTIMIZERS, PIPELINE_SCHEDULES, Config
+from jmoe.config.layout import PIPELINE_SCHEDULES
+from jmoe.config.schema import LORA_TARGETS, OPTIMIZERS, Config
 from jmoe.errors import ConfigError, not_one_of
 from jmoe.ops.activations import GATED_ACTIVATIONS
 from jmoe.ops.attention import ATTENTION_KERNELS

@@ -20,9 +20,10 @@ import jax
 import numpy as np
 
 from jmoe.config import Config
-from jmoe.memory.flat import flatten, is_literal
+from jmoe.memory.flat import divisor, flatten, is_literal, nbytes
 from jmoe.memory.gpu import as_on_gpu, gpu_kernels_replaced
-from jmoe.memory.walk import Value, Walker, divisor, nbytes
+from jmoe.memory.liveness import Value
+from jmoe.memory.walk import Walker
 from jmoe.parallel import Layout
 from jmoe.train.optimizer import learning_rate, make_optimizer
 from jmoe.train.state import state_spec

@@ -32,115 +32,9 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jmoe.memory.flat import (ALIASES, ELEMENTWISE, FUSING_CONSUMERS, UPDATES, Eqn, Flat, Where,
-                              divisor, flatten, is_literal, nbytes, operands_of, scan_counts,
-                              uses_of, values)
-
-@dataclasses.dataclass
-class Value:
-  bytes: int  # per device, as stored (0: fused into its consumers, or in host memory)
-  d: int | None  # devices it is split across (None: not known yet)
-  kind: str
-  what: str = ""  # its shape and where it is made, for the list of the largest
-  const: bool = False  # made from constants alone
-
-
-@dataclasses.dataclass
-class _Walk:
-  peak: int  # the most bytes live at once, beyond the jaxpr's inputs
-  at_peak: dict[str, int]  # those bytes by category
-  host: int
-  where: str
-  outs: list[Value]
-  largest: list[Value] = dataclasses.field(default_factory=list)  # live at the peak
-  backward: bool = False  # whether the peak is in the backward pass
-
-
-def _written_in_place(jaxpr: Flat, in_place, uses: dict) -> set:
-  """The values written straight into donated or loop buffers: the outputs said so, and what
-  only elementwise ops (reshapes, converts) lie between them and such an output."""
-  in_place = set(in_place)
-  for eqn in reversed(jaxpr.eqns):
-    if eqn.name in ELEMENTWISE and len(eqn.outvars) == 1 and eqn.outvars[0] in in_place:
-      in_place.update(v for v in values(eqn.invars) if len(uses.get(v, [])) == 1)
-  return in_place
-
-
-def _storage(jaxpr: Flat, env: dict, uses: dict) -> tuple[list[list[bool]], dict[Any, int]]:
-  """Which outputs get a buffer of their own, and each value's last use: its last consumer or,
-  when that consumer fuses into later ones, theirs (a fused op reads its inputs when the kernel
-  it joins runs)."""
-  eqns, outvars = jaxpr.eqns, set(values(jaxpr.outvars))
-  made = set(jaxpr.invars)  # values with a buffer of their own so far
-
-  def stored(i: int, v) -> bool:
-    eqn = eqns[i]
-    if eqn.name in ALIASES:  # its operand's buffer, unless an output that buffer is not
-      return v in outvars and not (eqn.invars and eqn.invars[0] in made)
-    if v in outvars:
-      return True
-    if env[v].const:
-      return False
-    users = uses.get(v, [])
-    if eqn.fused:  # inside a fused kernel only what leaves it is stored
-      return any(not eqns[j].fused for j in users)
-    if eqn.name not in ELEMENTWISE:
-      return True
-    return any(eqns[j].name not in FUSING_CONSUMERS for j in users)
-
-  kept = []
-  for i, eqn in enumerate(eqns):
-    kept.append([stored(i, v) for v in eqn.outvars])
-    made.update(v for v, k in zip(eqn.outvars, kept[i]) if k)
-  last_use: dict[Any, int] = {v: len(eqns) for v in outvars}
-  for i in reversed(range(len(eqns))):
-    until = i if any(kept[i]) else max([i] + [last_use.get(v, i) for v in eqns[i].outvars])
-    for v in values(eqns[i].invars):
-      last_use[v] = max(last_use.get(v, -1), until)
-  return kept, last_use
-
-
-def _live(jaxpr: Flat, env: dict, inners: list[_Walk], last_use: dict) -> _Walk:
-  """Runs the program over its buffers: the most bytes live at once, what they are, and where."""
-  dies_after: dict[int, list] = {}
-  for v, i in last_use.items():
-    dies_after.setdefault(i, []).append(v)
-  live: dict[Any, Value] = {}
-  by_kind: dict[str, int] = {}
-  current, peak, host, where, backward = 0, 0, 0, "", False
-  at_peak: dict[str, int] = {}
-  largest: list[Value] = []
-  for i, (eqn, inner) in enumerate(zip(jaxpr.eqns, inners)):
-    new = [env[v] for v in eqn.outvars]
-    for value in new:
-      if value.kind == "host":
-        host, value.bytes = host + value.bytes, 0
-    made = sum(value.bytes for value in new)
-    # A loop's stacked outputs exist before its first step; a call's outputs are counted by its
-    # own walk (they are made inside it).
-    moment = current + (made + inner.peak if eqn.name in ("scan", "while")
-                        else max(made, inner.peak))
-    if moment > peak:
-      peak, where = moment, inner.where or eqn.source
-      backward = inner.backward or eqn.backward
-      at_peak = dict(by_kind)
-      for kind, b in list(inner.at_peak.items()) + [(x.kind, x.bytes) for x in new]:
-        at_peak[kind] = at_peak.get(kind, 0) + b
-      largest = sorted([*live.values(), *new, *inner.largest], key=lambda x: -x.bytes)[:40]
-    host += inner.host
-    for v in eqn.outvars:
-      if env[v].bytes and v in last_use:
-        live[v] = env[v]
-        current += env[v].bytes
-        by_kind[env[v].kind] = by_kind.get(env[v].kind, 0) + env[v].bytes
-    for v in dies_after.get(i, ()):
-      if v in live:
-        value = live.pop(v)
-        current -= value.bytes
-        by_kind[value.kind] -= value.bytes
-  outs = [Value(0, 1, "activations") if is_literal(v) else env[v] for v in jaxpr.outvars]
-  return _Walk(peak=peak, at_peak=at_peak, host=host, where=where, outs=outs, largest=largest,
-               backward=backward)
+from jmoe.memory.flat import (ALIASES, UPDATES, Eqn, Flat, Where, divisor, flatten, is_literal,
+                              nbytes, operands_of, scan_counts, uses_of, values)
+from jmoe.memory.liveness import Value, Walk, live, storage, written_in_place
 
 
 class Walker:
@@ -153,22 +47,22 @@ class Walker:
     self.weights = weights
 
   def walk(self, jaxpr: Flat, env: dict, *, in_place=frozenset(), local: bool = False,
-           outer_split: int = 1) -> _Walk:
+           outer_split: int = 1) -> Walk:
     """Walks `jaxpr` whose inputs `env` are allocated by the caller (and stay so). `local`: inside
     shard_map, where shapes are per device. `in_place`: outputs written over donated or loop
     buffers. `outer_split`: how finely the caller's values are split, for values nothing places."""
     uses = uses_of(jaxpr)
-    in_place = _written_in_place(jaxpr, in_place, uses)
+    in_place = written_in_place(jaxpr, in_place, uses)
     fallback = max([env[v].d or 1 for v in jaxpr.invars if v in env] + [outer_split])
     inners = self._place(jaxpr, env, uses, in_place, local, fallback)
-    stored, last_use = _storage(jaxpr, env, uses)
+    stored, last_use = storage(jaxpr, env, uses)
     for eqn, keep in zip(jaxpr.eqns, stored):
       for v, kept in zip(eqn.outvars, keep):
         env[v].bytes = nbytes(v.aval, env[v].d or fallback) if kept and v not in in_place else 0
-    return _live(jaxpr, env, inners, last_use)
+    return live(jaxpr, env, inners, last_use)
 
   def _place(self, jaxpr: Flat, env: dict, uses: dict, in_place: set, local: bool,
-             fallback: int) -> list[_Walk]:
+             fallback: int) -> list[Walk]:
     """Puts each equation's outputs in `env` (split, category) and returns what each needs
     inside. A value nothing places takes the split of what it feeds, as XLA's sharding
     propagation goes both ways; failing that, the split of this jaxpr's inputs."""
@@ -211,7 +105,7 @@ class Walker:
   def _eqn(self, eqn: Eqn, ins: list[Value | None], local: bool, split: int,
            out_in_place: list[bool]):
     name = eqn.name
-    empty = _Walk(0, {}, 0, "", [])
+    empty = Walk(0, {}, 0, "", [])
     if name == "shard_map":
       return self._shard_map(eqn, ins, out_in_place)
     if name == "scan":
@@ -248,7 +142,7 @@ class Walker:
       outs.append(Value(0, self._out_divisor(eqn, v, ins, local), value_kind))
     return outs, empty
 
-  def _ragged_on_cpu(self, eqn, local: bool, split: int) -> _Walk:
+  def _ragged_on_cpu(self, eqn, local: bool, split: int) -> Walk:
     """XLA's CPU backend runs a ragged dot as one dense float32 product per group over all the
     rows: each row-indexed operand and result exists once per group while it runs."""
     groups = eqn.invars[2].aval.shape[-1]  # [batch..., groups] where the dot is batched (vmap)
@@ -257,18 +151,18 @@ class Walker:
     # in float32, whatever the operands' type (as every CPU product)
     b = sum(groups * nbytes(aval, 1 if local else split) * 4 // np.dtype(aval.dtype).itemsize
             for aval in rows)
-    return _Walk(b, {"activations": b}, 0, eqn.source, [])
+    return Walk(b, {"activations": b}, 0, eqn.source, [])
 
-  def _dot_on_cpu(self, eqn, ins, local: bool, split: int) -> _Walk:
+  def _dot_on_cpu(self, eqn, ins, local: bool, split: int) -> Walk:
     """XLA's CPU backend multiplies 16-bit floats in float32: operands and result are converted
     copies while the product runs."""
     avals = [v.aval for v in (*eqn.invars, *eqn.outvars)]
     if all(np.dtype(a.dtype).itemsize >= 4 for a in avals):
-      return _Walk(0, {}, 0, "", [])
+      return Walk(0, {}, 0, "", [])
     splits = [x.d if x is not None and x.d else split for x in ins] + [split]
     b = sum(nbytes(a, 1 if local else d) * 4 // np.dtype(a.dtype).itemsize
             for a, d in zip(avals, splits) if np.dtype(a.dtype).itemsize < 4)
-    return _Walk(b, {"activations": b}, 0, eqn.source, [])
+    return Walk(b, {"activations": b}, 0, eqn.source, [])
 
   def _split_of(self, ins: list[Value | None]) -> int:
     return max([x.d for x in ins if x is not None and x.d is not None], default=1)
@@ -336,7 +230,7 @@ class Walker:
       outs.append(Value(0, d, kind, const=value.const))
     return outs, inner
 
-  def _materialised(self, eqn: Eqn, ins, inner: _Walk) -> _Walk:
+  def _materialised(self, eqn: Eqn, ins, inner: Walk) -> Walk:
     """A loop's operands are buffers of their own: the values that were fused into their
     consumers (a broadcast of zeros) or read in place (a layer's slice of a scan's stacks) are
     made in full before it, and live while it runs."""
