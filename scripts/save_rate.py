@@ -12,15 +12,17 @@ memory was reserved beforehand (page-locked on a GPU), `save(waited=True)`, unco
 `wait`; timed in two parts, the copy to the host (`to_host_s`, until `save` returns) and the
 write (`write_s`). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
 reached also removes the oldest step, in the save's time); each saved step is then removed and
-timed (`removed`: by a thread per two cores unlinking its files, as Orbax removes old steps, then
-by one thread, alternately: on tmpfs, freeing the pages is most of it). `--file-mib`: TensorStore's data file sizes
-(jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the threads of each of TensorStore's
-two pools for the save (`default`: TensorStore's own, as jmoe's waited saves take). Beside, once
-per directory and file size, the same bytes, already on the host, are written as plain files of
-that size by each of `--raw-threads` threads (0: one per core) and removed (`raw`: what the file
-system and the host's memory allow). Until 2026-12-06 the save was synchronous and the plain
+timed (`removed`: its files unlinked by as many threads as Orbax removes old steps with, then
+by one thread, alternately: on tmpfs, freeing the pages is most of it). `--file-mib`:
+TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
+threads of each of TensorStore's two pools for the save (`default`: TensorStore's own, as jmoe's
+waited saves take). First, for each directory and file size, the same bytes, fetched to the host
+beforehand, are written as plain files of that size by each of `--raw-threads` threads (0: one
+per core) and removed (`raw_gb_per_s`: what the file system and the host's memory allow); that
+host copy is let go before the saves. Until 2026-12-06 the save was synchronous and the plain
 writes' time held the fetch to pageable memory, which on a GPU is most of it.
-Prints one JSON line per save.
+Prints one JSON line per save and one per removal; each directory is removed at the end, and on
+an error.
 """
 
 from __future__ import annotations
@@ -77,16 +79,19 @@ def raw_write(arrays: dict, directory: pathlib.Path, file_bytes: int, threads: i
   return seconds
 
 
-def numbers(text: str, name: str, parser, *, default: str | None = None) -> list:
-  """`text`'s comma-separated positive integers (and `default`, as None, where named)."""
+def numbers(text: str, name: str, parser, *, default: str | None = None,
+            zero: bool = False) -> list:
+  """`text`'s comma-separated whole numbers, above 0 (or 0 too, with `zero`), and `default` as
+  None where named."""
   out = []
   for item in text.split(","):
     if default is not None and item == default:
       out.append(None)
-    elif item.isdigit() and int(item) > 0 or (name == "--raw-threads" and item == "0"):
+    elif item.isascii() and item.isdigit() and (zero or int(item) > 0):
       out.append(int(item))
     else:
-      parser.error(f"{name}: each is a positive whole number{f' or {default}' if default else ''}"
+      least = "0 or more" if zero else "above 0"
+      parser.error(f"{name}: each is a whole number {least}{f' or {default}' if default else ''}"
                    f", not {item!r}")
   return out
 
@@ -94,7 +99,7 @@ def numbers(text: str, name: str, parser, *, default: str | None = None) -> list
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dirs", nargs="+", type=pathlib.Path,
-                      help="where to write (a directory of its own: it is removed after each save)")
+                      help="where to write (a directory of its own, removed at the end)")
   parser.add_argument("--gib", type=float, default=18.0)
   parser.add_argument("--file-mib", default="64")
   parser.add_argument("--threads", default="default")
@@ -103,52 +108,91 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   file_mibs = numbers(args.file_mib, "--file-mib", parser)
   thread_counts = numbers(args.threads, "--threads", parser, default="default")
-  raw_counts = numbers(args.raw_threads, "--raw-threads", parser)
+  raw_counts = numbers(args.raw_threads, "--raw-threads", parser, zero=True)
+  if args.repeats < 1:
+    parser.error(f"--repeats: 1 or more, not {args.repeats}")
   for d in args.dirs:
     if d.exists():
-      parser.error(f"{d} exists: give a directory that does not (it is removed after each save)")
-  import numpy as np
-  from jmoe.checkpoint import Checkpointer, writer
+      parser.error(f"{d} exists: give a directory that does not (it is removed at the end)")
+  from jmoe.checkpoint import writer
+  raw_counts = sorted({n or writer.host_cores() for n in raw_counts})
   state = state_of(args.gib)
+  nbytes = sum(x.get_value().nbytes for x in state.values())
+  raw = plain_writes(state, args.dirs, file_mibs, raw_counts)  # (before the saves, and its
+  for d in args.dirs:  # host copy of the state gone by then)
+    try:
+      for mib in file_mibs:
+        writer.DATA_FILE_BYTES = mib * 2**20
+        for threads in thread_counts:
+          common = {"dir": str(d), "file_mib": mib, "threads": threads or "default"}
+          for line in saves(state, d, threads, args.repeats):
+            print(json.dumps({**common, "state_gib": round(nbytes / 2**30, 2), **line,
+                              "gb_per_s": round(nbytes / line["seconds"] / 1e9, 2),
+                              "write_gb_per_s": round(nbytes / max(line["write_s"], 1e-9) / 1e9,
+                                                      2),
+                              "raw_gb_per_s": raw[str(d), mib]}), flush=True)
+          for line in removals(d, args.repeats):
+            print(json.dumps({**common, **line}), flush=True)
+    finally:
+      shutil.rmtree(d, ignore_errors=True)
+  return 0
+
+
+def plain_writes(state, dirs, file_mibs, thread_counts) -> dict:
+  """GB/s of plain file writes of `state`'s bytes (fetched to the host first) into each of `dirs`
+  by file size and thread count: {(dir, file MiB): {threads: GB/s}}."""
+  import numpy as np
   host = {name: np.asarray(x.get_value()) for name, x in state.items()}
   nbytes = sum(x.nbytes for x in host.values())
-  for d in args.dirs:
+  out = {}
+  for d in dirs:
     for mib in file_mibs:
-      writer.DATA_FILE_BYTES = mib * 2**20
-      raw = {}
-      for threads in raw_counts:
-        threads = threads or writer.host_cores()
-        raw[threads] = round(nbytes / raw_write(host, d, mib * 2**20, threads) / 1e9, 2)
-      for threads in thread_counts:
-        checkpointer = Checkpointer(d, keep=args.repeats, waited_write_threads=threads)
-        checkpointer.reserve_host_memory(state)
-        checkpointer.wait_reserved()
-        for repeat in range(args.repeats):
-          started = time.perf_counter()
-          checkpointer.save(repeat + 1, state, waited=True)
-          to_host = time.perf_counter() - started
-          checkpointer.wait()
-          seconds = time.perf_counter() - started
-          on_disk = sum(p.stat().st_size for p in (d / str(repeat + 1)).rglob("*")
-                        if p.is_file())
-          print(json.dumps({
-              "dir": str(d), "file_mib": mib, "threads": threads or "default",
-              "repeat": repeat, "state_gib": round(nbytes / 2**30, 2),
-              "seconds": round(seconds, 2), "gb_per_s": round(nbytes / seconds / 1e9, 2),
-              "to_host_s": round(to_host, 2), "write_s": round(seconds - to_host, 2),
-              "write_gb_per_s": round(nbytes / max(seconds - to_host, 1e-9) / 1e9, 2),
-              "on_disk_gib": round(on_disk / 2**30, 2), "raw_gb_per_s": raw}), flush=True)
-        checkpointer.close()
-        for repeat in range(args.repeats):
-          step = d / str(repeat + 1)
-          on_disk = sum(p.stat().st_size for p in step.rglob("*") if p.is_file())
-          threads = max(1, writer.host_cores() // 2) if repeat % 2 == 0 else 1
-          print(json.dumps({
-              "dir": str(d), "file_mib": mib, "removed": repeat + 1, "removed_gib":
-              round(on_disk / 2**30, 2), "remove_threads": threads,
-              "remove_s": round(remove(step, threads), 2)}), flush=True)
-        shutil.rmtree(d)
-  return 0
+      try:
+        out[str(d), mib] = {n: round(nbytes / raw_write(host, d, mib * 2**20, n) / 1e9, 2)
+                            for n in thread_counts}
+      finally:
+        shutil.rmtree(d, ignore_errors=True)
+  return out
+
+
+def saves(state, d: pathlib.Path, threads: int | None, repeats: int) -> list[dict]:
+  """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
+  from jmoe.checkpoint import Checkpointer
+  checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads)
+  out = []
+  try:
+    checkpointer.reserve_host_memory(state)
+    checkpointer.wait_reserved()
+    for repeat in range(repeats):
+      started = time.perf_counter()
+      checkpointer.save(repeat + 1, state, waited=True)
+      to_host = time.perf_counter() - started
+      checkpointer.wait()
+      seconds = time.perf_counter() - started
+      out.append({"repeat": repeat, "seconds": round(seconds, 2), "to_host_s": round(to_host, 2),
+                  "write_s": round(seconds - to_host, 2),
+                  "on_disk_gib": round(on_disk(d / str(repeat + 1)) / 2**30, 2)})
+  finally:
+    checkpointer.close()
+  return out
+
+
+def removals(d: pathlib.Path, repeats: int) -> list[dict]:
+  """Each saved step in `d` removed and timed: by as many threads as Orbax's removal of old steps
+  takes on this host (half its cores, at most 16), then by one, alternately."""
+  from jmoe.checkpoint.writer import host_cores
+  out = []
+  for repeat in range(repeats):
+    step = d / str(repeat + 1)
+    threads = min(16, max(1, host_cores() // 2)) if repeat % 2 == 0 else 1
+    gib = on_disk(step) / 2**30
+    out.append({"removed": repeat + 1, "removed_gib": round(gib, 2), "remove_threads": threads,
+                "remove_s": round(remove(step, threads), 2)})
+  return out
+
+
+def on_disk(directory: pathlib.Path) -> int:
+  return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
 
 
 def remove(directory: pathlib.Path, threads: int) -> float:

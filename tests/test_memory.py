@@ -122,7 +122,8 @@ def test_walk_places_values_with_what_they_go_with():
   316 GiB first estimated for configs/plans/deepseek_v3_256gpu.py, docs/MEMORY.md)."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   from jmoe.memory.flat import flatten
-  from jmoe.memory.walk import Value, Walker
+  from jmoe.memory.liveness import Value
+  from jmoe.memory.walk import Walker
   mesh = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("stage", "fsdp"))
   pin = lambda a, *spec: jax.lax.with_sharding_constraint(a, NamedSharding(mesh, P(*spec)))
 

@@ -328,7 +328,8 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   lines = [r for r in lines if "removed" not in r]
   assert [(r["file_mib"], r["threads"]) for r in lines] == [
       (64, "default"), (64, 2), (1, "default"), (1, 2)]
-  assert [(r["file_mib"], r["removed"]) for r in removals] == [(64, 1), (64, 1), (1, 1), (1, 1)]
+  assert [(r["file_mib"], r["threads"], r["removed"]) for r in removals] == [
+      (64, "default", 1), (64, 2, 1), (1, "default", 1), (1, 2, 1)]
   assert all(r["remove_s"] > 0 and r["removed_gib"] > 0.004 for r in removals), removals
   cores = str(len(os.sched_getaffinity(0)))
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
@@ -337,7 +338,8 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
              for r in lines), lines
   assert not target.exists()
   for argument, why in (([str(tmp_path)], "exists"),
-                        ([str(target), "--threads", "4,all"], "--threads: each is a positive")):
+                        ([str(target), "--threads", "4,all"], "--threads: each is a whole number"),
+                        ([str(target), "--repeats", "0"], "--repeats: 1 or more")):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), *argument],
                              capture_output=True, text=True, timeout=120, env=command_env())
     assert refused.returncode == 2 and why in refused.stderr, refused.stderr
