@@ -215,8 +215,7 @@ def main(argv=None) -> int:
   try:
     with Trainer(config, args.dir / "work", progress=False) as trainer:
       for i, variant in enumerate(variants, 1):
-        if trainer.checkpointer._reserving is not None:  # (page-locked memory, for all saves)
-          trainer.checkpointer._reserving.join()
+        trainer.checkpointer.wait_reserved()  # (page-locked memory, for all saves)
         trainer.checkpointer.close()
         trainer.checkpointer = Checkpointer(
             args.dir / f"v{i}_{variant}", keep=1, write_threads=config.checkpoint.write_threads,

@@ -10,12 +10,12 @@ the step's peak), `save` returns at once and training goes on while a thread of 
 copies that to the host and Orbax writes it in the background; the next save (or `wait`) waits for
 both. Without room for the copy, or with several processes (Orbax's barriers between them are
 device collectives, which must not run beside a step's), and for a save the caller waits for (a
-run's last), `save` returns once the arrays are on the host. Orbax writes a step in `<step>.orbax-checkpoint-tmp`
-and renames it to `<step>` when complete, so a save cut short leaves no half-written step behind. A
-save that fails, in the foreground or the background, removes its temporary directory and raises a
-ConfigError naming the step, the directory and the cause at the next `save` or `wait`; a run
-killed while saving leaves its temporary directory, which the next run on the workdir removes
-(`remove_unfinished`) once it has found everything else in order.
+run's last), `save` returns once the arrays are on the host. Orbax writes a step in
+`<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, so a save cut short leaves
+no half-written step behind. A save that fails, in the foreground or the background, removes its
+temporary directory and raises a ConfigError naming the step, the directory and the cause at the
+next `save` or `wait`; a run killed while saving leaves its temporary directory, which the next
+run on the workdir removes (`remove_unfinished`) once it has found everything else in order.
 
 Restoring takes the target shardings from the current run, so the saved arrays land directly in
 this run's placement whatever layout or device count wrote them. A latest checkpoint that cannot
@@ -145,10 +145,11 @@ class Checkpointer:
            run: dict[str, Any] | None = None, *, waited: bool = False) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
     `step`; returns before the write ends (with async saves not `waited` for, before the arrays
-    reach the host where the devices have room for a copy of them). A step that is already saved is left as it
-    is. `waited`: the caller waits for this save (a run's last), so its write takes every core
-    and is compressed only with `compress_waited`; else a write in the background is held to
-    `write_threads` and compressed (jmoe/checkpoint/writer.py).
+    reach the host where the devices have room for a copy of them). A step that is already
+    saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
+    write takes every core (or `waited_write_threads`) and is compressed only with
+    `compress_waited`; else a write in the background is held to `write_threads` and
+    compressed (jmoe/checkpoint/writer.py).
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
@@ -160,9 +161,9 @@ class Checkpointer:
     # save the caller waits for takes the state to the host as it is (a copy would only cost
     # time and memory).
     copy = device_copy(state) if beside and jax.process_count() == 1 else None
-    writing = (self._write_threads if beside else self._waited_threads,
-               beside or self._compress_waited)
-    use_array_writer(writing[0], compressed=writing[1])
+    writing = dict(threads=self._write_threads if beside else self._waited_threads,
+                   compressed=beside or self._compress_waited)
+    use_array_writer(**writing)
     if beside and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else
@@ -202,14 +203,14 @@ class Checkpointer:
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def _start_in_thread(self, step: int, state: Any, items: dict[str, Any],
-                       go: threading.Event | None, writing: tuple[int | None, bool]) -> None:
+                       go: threading.Event | None, writing: dict[str, Any]) -> None:
     """`_start` on a copy of the state made on its devices for this save, once `go` is set
     (or TRANSFER_LEAD_S has passed), with the writer `save` chose (registered again after a
     wait: another Checkpointer made meanwhile registers its own)."""
     try:
       if go is not None:
         go.wait(TRANSFER_LEAD_S)
-        use_array_writer(writing[0], compressed=writing[1])
+        use_array_writer(**writing)
       if self._paced and pinned.has_pinned_host(state):
         state = pinned.put_in_turn(state)
       self._start(step, state, items)
