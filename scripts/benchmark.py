@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.train.flops import model_flops_per_token
     from jmoe.train.optimizer import make_optimizer
     from jmoe.train.state import state_spec
-    from jmoe.train.step import compile_train_step
+    from jmoe.data.pipeline import most_documents
+    from jmoe.train.step import compile_train_step, documents_bound
     config = load_config(args.config, overrides + (
         ["moe.router.force_balanced=true"] if args.balanced else []))
     layout = make_layout(config.parallel)
@@ -231,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
       tokens = np.random.default_rng(0).integers(0, config.model.vocab_size,
                                                  (batch_size, seq + 1))
       batch = {"tokens": tokens.astype(np.int32)}
+    # (packed rows: the step is compiled for as many documents as they hold, as jmoe.train's)
+    documents = (documents_bound(config, most_documents(batch["segment_ids"]))
+                 if "segment_ids" in batch else None)
     batch = {k: jax.device_put(v, layout.batch) for k, v in batch.items()}
     t0 = time.perf_counter()
-    step = compile_train_step(config, layout, spec, optimizer, batch)
+    step = compile_train_step(config, layout, spec, optimizer, batch, documents=documents)
     compile_s = time.perf_counter() - t0
     hlo = step.as_text()
     if args.hlo:

@@ -123,20 +123,23 @@ def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[
   on the state itself while a copy of it waits in host memory, put back after."""
   import jax
   from jmoe.checkpoint.manager import device_copy
-  batches = jax.block_until_ready(
-      [trainer.data.next_batch() for _ in range(max(warmup, repeats))])
+  batches, steps = [], []
+  for _ in range(max(warmup, repeats)):
+    batches.append(trainer.data.next_batch())
+    steps.append(trainer.step_for(trainer.data.documents))
+  jax.block_until_ready(batches)
   stashed = None
   state = trainer.state if keep else device_copy(trainer.state)
   if state is None:
     state = trainer.state
     stashed = (jax.device_get(state), jax.tree.map(lambda x: x.sharding, state))
   for _ in range(warmup):
-    state, _ = trainer._step_fn(state, batches[0])
+    state, _ = steps[0](state, batches[0])
   jax.block_until_ready(state)
   with GpuClocks() as clocks:
     t0 = time.perf_counter()
-    for batch in batches:
-      state, _ = trainer._step_fn(state, batch)
+    for step, batch in zip(steps, batches):
+      state, _ = step(state, batch)
     jax.block_until_ready(state)
     seconds = (time.perf_counter() - t0) / len(batches)
   if keep:

@@ -193,3 +193,50 @@ def test_values_padded_to_the_keys_width_under_vmap_change_nothing(monkeypatch):
   for ours, want in zip(padded, plain_):
     assert ours.shape == want.shape
     np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("known", [None, 2, 3, 1])
+def test_rows_known_to_fit_take_the_packed_kernel_with_no_branch_on_the_device(monkeypatch, known):
+  """cuDNN's packed kernels (faked here by XLA's, counting their calls) branch on the device
+  between themselves and the blockwise kernel by the rows' documents, unless the rows are known
+  (`documents_per_row`, counted on the host) to hold at most the kernel's max_documents: then the
+  program has no conditional (XLA's GPU runtime waits for the device at each one). SEGMENTS'
+  rows hold 3 and 1 documents; a bound above max_documents keeps the branch. Forward and
+  backward give the same as the branching program's, which takes the packed kernel (3 <= 3) or
+  the blockwise one (max_documents 2 < 3)."""
+  calls = []
+
+  def fused_forward(q, k, v, ids, *, scale, window, max_documents):
+    calls.append("forward")
+    return attention_kernels.xla_forward(q, k, v, ids, scale=scale, window=window)
+
+  def fused_backward(*args, scale, window, max_documents):
+    calls.append("backward")
+    return attention_kernels.xla_backward(*args, scale=scale, window=window)
+
+  monkeypatch.setattr(attention_kernels, "_fused_forward", fused_forward)
+  monkeypatch.setattr(attention_kernels, "_fused_backward", fused_backward)
+  q, k, v, _, dout = inputs()
+
+  def program(max_documents):  # (a new function each time, as each compiled train step is:
+    # JAX reuses a function's trace, which does not see the bound)
+    def run(q, k, v, dout, segments):
+      options = dict(scale=0.3, window=0, max_documents=max_documents)
+      out, lse = attention_kernels._cudnn_forward(q, k, v, segments, **options)
+      grads = attention_kernels._cudnn_backward(q, k, v, out, lse, dout, segments, **options)
+      return out, lse, grads
+    return jax.jit(run)
+
+  args = (q, k, v, dout, SEGMENTS)
+  for max_documents in (3, 2):
+    want = program(max_documents)(*args)
+    calls.clear()
+    with attention_kernels.documents_per_row(known):
+      lowered = program(max_documents).lower(*args)
+    fits = known is not None and known <= max_documents
+    # (in the program as lowered: XLA's CPU compiler turns these branches into selects)
+    assert ("stablehlo.case" in lowered.as_text()) == (not fits)
+    compiled = lowered.compile()
+    assert set(calls) == {"forward", "backward"}  # (the packed kernels traced, either way)
+    for got, expected in zip(jax.tree.leaves(compiled(*args)), jax.tree.leaves(want)):
+      np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)

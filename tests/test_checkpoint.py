@@ -682,9 +682,9 @@ def test_resume_from_every_step_reads_what_the_uninterrupted_run_read(tmp_path, 
   import jmoe.train.loop as loop
   original, compiled = loop.fitting_schedule, []
 
-  def compile_once(*args):
+  def compile_once(*args, **kwargs):
     if not compiled:
-      compiled.append(original(*args))
+      compiled.append(original(*args, **kwargs))
     return compiled[0]
 
   monkeypatch.setattr(loop, "fitting_schedule", compile_once)

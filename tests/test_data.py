@@ -243,3 +243,19 @@ def test_first_batch_is_packed_with_positions_per_document(tmp_path):
   # Positions restart at 0 where a new document starts and count up within one.
   np.testing.assert_array_equal(positions[:, 1:][starts], 0)
   np.testing.assert_array_equal(positions[:, 1:][~starts], positions[:, :-1][~starts] + 1)
+
+
+def test_documents_are_counted_on_the_host_as_the_attention_kernels_count_them():
+  """`most_documents` (the count the train step is chosen by) equals the attention kernels' own
+  count on the device, row by row's maximum, for rows of runs, padding, one document, none."""
+  from jmoe.data.pipeline import most_documents
+  from jmoe.ops.attention_kernels import _document_starts
+  rng = np.random.default_rng(0)
+  rows = [np.repeat(np.arange(1, 6), rng.integers(1, 6, 5))[:16] for _ in range(6)]
+  ids = np.stack([np.pad(r, (0, 16 - len(r))) for r in rows] + [np.ones(16, int),
+                                                                 np.zeros(16, int)])
+  for batch in (ids, ids[6:], ids[7:], ids[:3]):
+    device = int(np.max(np.sum(np.asarray(_document_starts(batch)), axis=1)))
+    assert most_documents(batch) == device
+  assert most_documents(ids[6:7]) == 1 and most_documents(ids[7:]) == 0
+  assert most_documents(np.asarray([[1, 1, 2, 2, 0, 0, 3, 3]])) == 3

@@ -372,3 +372,48 @@ def test_the_start_says_which_gemms_fp8_covers(tmp_path, caplog):
       pass
   assert ("FP8 (current recipe): the routed experts' GEMMs; the dense GEMMs "
           "(precision.fp8_dense=false) and the LM head in") in caplog.text
+
+
+def test_rows_of_more_documents_than_the_step_takes_get_a_step_for_any_batch(tmp_path,
+                                                                             monkeypatch):
+  """On one process on GPUs the step is compiled for rows of at most model.attention_max_documents
+  documents (no branch on the device: jmoe/train/step.py `documents_bound`); a batch whose rows
+  hold more, counted on the host, runs a step compiled for any batch, from the first such batch
+  on, and batches that fit keep the first step. Forced here with a bound of 4 on packed short
+  documents: each step goes to the step its batch's count calls for, both kinds occur, and the
+  losses equal those of a run with the one step for any batch (on the CPU the same program)."""
+  from jmoe.train import loop
+  docs = tmp_path / "docs"
+  docs.mkdir()
+  rng = np.random.default_rng(3)
+  for i in range(60):
+    (docs / f"{i:02d}.txt").write_text(f"d{i} " + "ab " * int(rng.integers(0, 12)))
+  config = tiny_config(train=dict(steps=6), data=dict(source=str(docs)))
+
+  def run(workdir, bound):
+    if bound is not None:
+      monkeypatch.setattr(loop, "documents_bound", lambda config: bound)
+    used = []
+    with loop.Trainer(config, workdir, progress=False) as trainer:
+      first, compile_any = trainer._step_fn, trainer._compile_any
+
+      def fitting(state, batch):
+        used.append(("first", trainer.data.documents))
+        return first(state, batch)
+
+      def any_batch():
+        config, compiled = compile_any()
+        return config, lambda state, batch: (used.append(("any", trainer.data.documents))
+                                             or compiled(state, batch))
+
+      trainer._step_fn, trainer._compile_any = fitting, any_batch
+      records = trainer.train()
+    monkeypatch.undo()
+    return [r["loss"] for r in records], used
+
+  want, used = run(tmp_path / "any", None)
+  assert {kind for kind, _ in used} == {"first"}  # (no bound: the first step takes any batch)
+  got, used = run(tmp_path / "bound", 4)
+  assert got == want
+  assert all((kind == "any") == (documents > 4) for kind, documents in used), used
+  assert {kind for kind, _ in used} == {"first", "any"}, used

@@ -131,6 +131,17 @@ def row_stream(documents: grain.MapDataset, row: int, num_rows: int, width: int,
                                **({"loss_mask": e["loss_mask"]} if masked else {})})
 
 
+def most_documents(segment_ids: np.ndarray) -> int:
+  """The most documents any row of `segment_ids` [rows, width] holds (ids 1, 2, ... in runs, 0
+  for padding), counted as the attention kernels count them: a document starts wherever the id
+  changes to one above 0."""
+  ids = np.asarray(segment_ids)
+  if ids.size == 0:
+    return 0
+  starts = (ids[:, 1:] != ids[:, :-1]) & (ids[:, 1:] > 0)
+  return int((starts.sum(axis=1) + (ids[:, 0] > 0)).max())
+
+
 class Batches:
   """This process's rows of each global batch: one Grain stream per row. With finite documents
   (evaluation), a finished stream gives padding rows (segment 0) from then on, so that every
@@ -300,6 +311,7 @@ class DataPipeline:
     self._held = (grain.MapDataset.concatenate([grain.MapDataset.source(s) for s in held])
                   if held else None)
     self._eval: list[dict[str, jax.Array]] | None = None
+    self.documents: int | None = None  # the most documents a row of the last batch holds
 
   def batch_spec(self) -> dict[str, jax.ShapeDtypeStruct]:
     return {key: jax.ShapeDtypeStruct((self.batch_size, self.width), np.int32,
@@ -319,7 +331,11 @@ class DataPipeline:
     self._loader.peek()
 
   def next_batch(self) -> dict[str, jax.Array]:
-    return self._global(next(self._loader))
+    """The next batch; `documents` says how many documents its rows (this process's) hold at
+    most."""
+    local = next(self._loader)
+    self.documents = most_documents(local["segment_ids"])
+    return self._global(local)
 
   def state(self) -> dict[str, Any]:
     """The input position after the last batch (all processes': call on every process), and the

@@ -24,15 +24,23 @@ differ from the query/key head dim A (multi-head latent attention).
          for B x max_documents sequences of S tokens each (its backward's float32 dQ
          accumulator and statistics): 64 cost a packed Qwen3-30B-A3B step 14 GiB and 6%; so
          packed rows go to it one per device at a time (`_by_rows`: 16 documents, 2 rows a
-         device, 3.6 -> 1.4 GiB over the unpacked step on an H200)
+         device, 3.6 -> 1.4 GiB over the unpacked step on an H200). That branch is decided on
+         the device, and XLA's GPU runtime reads a branch's predicate by waiting for the
+         device: the host thread launching the step cannot run ahead of it, and a copy to the
+         host beside the step (a checkpoint's) held each such wait up for the copy's length.
+         Where the caller knows, counted on the host, that every row holds at most N
+         documents, it traces under `documents_per_row(N)`, and a kernel whose
+         max_documents is at least N takes cuDNN's packed form with no branch
   xla    einsums over the [S, T] scores with the pattern as a mask; any platform, the reference
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -256,9 +264,37 @@ def _cudnn_call(segment_ids_BS, window, max_documents):
   return kw, (offsets_BM1, documents_B)
 
 
+# The most documents any row of the batch being traced holds, as its caller counted them on
+# the host (`documents_per_row`); None: not known, decided on the device.
+_DOCUMENTS_PER_ROW: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "jmoe_documents_per_row", default=None)
+
+
+@contextlib.contextmanager
+def documents_per_row(at_most: int | None) -> Iterator[None]:
+  """While tracing inside: every row of the segment ids the cuDNN kernels are given holds at most
+  `at_most` documents (None: not known). The caller must have counted them on the host (a row
+  with more would be attended wrongly); a program traced so is only for such batches."""
+  token = _DOCUMENTS_PER_ROW.set(at_most)
+  try:
+    yield
+  finally:
+    _DOCUMENTS_PER_ROW.reset(token)
+
+
 def _packed_fits(segment_ids_BS, max_documents):
   """Whether every row has at most `max_documents` documents (else XLA's kernel runs)."""
   return jnp.max(jnp.sum(_document_starts(segment_ids_BS), axis=1)) <= max_documents
+
+
+def _fits_or_branch(fused: Callable, unpacked: Callable, max_documents: int, *args):
+  """`fused(*args)` where the rows are known to hold at most `max_documents` documents
+  (`documents_per_row`), else a branch on the device between it and `unpacked(*args)`
+  (args end with the segment ids)."""
+  known = _DOCUMENTS_PER_ROW.get()
+  if known is not None and known <= max_documents:
+    return fused(*args)
+  return jax.lax.cond(_packed_fits(args[-1], max_documents), fused, unpacked, *args)
 
 
 def _by_rows(run, shards, *arrays_B):
@@ -328,8 +364,7 @@ def _cudnn_forward(q_BSHA, k_BTGA, v_BTGW, segment_ids_BS=None, *, scale, window
   fused = lambda *a: _by_rows(call, shards, *a)
   unpacked = lambda q, k, v, ids: blockwise_forward(q, k, v, ids, scale=scale, window=window,
                                                     block=FALLBACK_BLOCK)
-  return jax.lax.cond(_packed_fits(segment_ids_BS, max_documents), fused, unpacked,
-                      q_BSHA, k_BTGA, v_BTGW, segment_ids_BS)
+  return _fits_or_branch(fused, unpacked, max_documents, q_BSHA, k_BTGA, v_BTGW, segment_ids_BS)
 
 
 def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segment_ids_BS=None,
@@ -341,8 +376,7 @@ def _cudnn_backward(q_BSHA, k_BTGA, v_BTGW, out_BSHW, lse_BHS, dout_BSHW, segmen
     return call(*args, None)
   fused = lambda *a: _by_rows(call, shards, *a)
   unpacked = lambda *a: blockwise_backward(*a, scale=scale, window=window, block=FALLBACK_BLOCK)
-  return jax.lax.cond(_packed_fits(segment_ids_BS, max_documents), fused, unpacked,
-                      *args, segment_ids_BS)
+  return _fits_or_branch(fused, unpacked, max_documents, *args, segment_ids_BS)
 
 
 CUDNN = AttentionKernel(_cudnn_forward, _cudnn_backward, _cudnn_refusal)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import pathlib
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -30,7 +31,7 @@ from jmoe.train.preemption import StopSignals
 from jmoe.train.state import TrainState, state_spec
 from jmoe.train.start import (check_batch_fits, check_record, initial_state, run_record,
                               saved_part)
-from jmoe.train.step import fitting_schedule, make_eval_step
+from jmoe.train.step import documents_bound, fitting_schedule, make_eval_step
 from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
                                 workdir_path, write_atomic)
 
@@ -118,8 +119,13 @@ class Trainer:
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
       self.checkpointer.reserve_host_memory(saved_part(config, self.state))  # while compiling
       t0 = time.perf_counter()
+      self._documents = documents_bound(config)
       scheduled, self._step_fn = fitting_schedule(config, layout, spec, optimizer,
-                                                  self.data.batch_spec())
+                                                  self.data.batch_spec(),
+                                                  documents=self._documents)
+      self._compile_any = functools.partial(fitting_schedule, scheduled, layout, spec, optimizer,
+                                            self.data.batch_spec())
+      self._any_step = None  # the step for rows of more documents, compiled when one comes
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
@@ -183,7 +189,8 @@ class Trainer:
     self._since = (time.perf_counter(), self.step)
     queued = None  # a logged step's (step, metrics), read after the next step is launched
     while self.step < end:
-      self.state, metrics = self._step_fn(self.state, self.data.next_batch())
+      batch = self.data.next_batch()
+      self.state, metrics = self.step_for(self.data.documents)(self.state, batch)
       self.checkpointer.stepped()
       self.step = done = self.step + 1
       self._last_metrics = metrics
@@ -213,6 +220,21 @@ class Trainer:
         self.checkpointer.wait()
         raise Interrupted(done, signals.signum)
     return records
+
+  def step_for(self, documents: int | None) -> Callable:
+    """The compiled step for a batch whose rows hold at most `documents` documents (counted on
+    the host: DataPipeline.documents; None: not known). The step compiled at the start takes
+    rows of up to model.attention_max_documents on one process on GPUs (no branch on the
+    device: jmoe/train/step.py `documents_bound`); a batch with more gets, from its first, a
+    step compiled for any batch."""
+    if self._documents is None or (documents is not None and documents <= self._documents):
+      return self._step_fn
+    if self._any_step is None:
+      log.info("a batch has rows of %s documents, more than model.attention_max_documents "
+               "(%d): compiling the step that chooses the attention kernel on the device for "
+               "such batches", documents, self._documents)
+      self._any_step = self._compile_any()[1]
+    return self._any_step
 
   def _log(self, step: int, metrics: dict, evaluate: bool = False) -> dict:
     """Step `step`'s record, written to metrics.jsonl: its metrics, the tokens/s since the last

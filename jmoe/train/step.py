@@ -15,6 +15,7 @@ from jmoe.config import Config
 from jmoe.model.factory import DTYPES
 from jmoe.model.qk_clip import clip_factors
 from jmoe.moe.layer import keep_weight_amax
+from jmoe.ops.attention_kernels import documents_per_row
 from jmoe.ops.fp8 import Fp8History, WeightAmax
 from jmoe.parallel import Layout
 from jmoe.train.loss import (head_nll, mtp_inputs, mtp_loss, router_metrics, target_counts,
@@ -178,12 +179,27 @@ def make_train_step(graphdef: nnx.GraphDef, config: Config,
 
 def compile_train_step(config: Config, layout: Layout, spec: StateSpec,
                        optimizer: AdamW, batch: dict,
-                       compiler_options: dict | None = None) -> jax.stages.Compiled:
+                       compiler_options: dict | None = None, *,
+                       documents: int | None = None) -> jax.stages.Compiled:
   """The train step compiled for `layout`: the state placed as `spec` says and donated, the batch
   split as `layout.batch` (`batch`: arrays or ShapeDtypeStructs, for the shapes), with XLA's
   `compiler_options` if given; with pipeline stages on `auto`, the schedule `fitting_schedule`
-  picks."""
-  return fitting_schedule(config, layout, spec, optimizer, batch, compiler_options)[1]
+  picks. `documents`: see `fitting_schedule`."""
+  return fitting_schedule(config, layout, spec, optimizer, batch, compiler_options,
+                          documents=documents)[1]
+
+
+def documents_bound(config: Config, documents: int | None = None) -> int | None:
+  """The documents per row to compile a train step for (`fitting_schedule`'s `documents`): in a
+  run of one process on GPUs, `model.attention_max_documents`, unless `documents` (the most a
+  row of the batch holds, counted on the host) is more; else None. With several processes each
+  counts only its own rows, and all must run the same program, so the step decides on the
+  device there; elsewhere than on GPUs the attention kernel has no branch to leave out."""
+  bound = config.model.attention_max_documents
+  if (jax.process_count() > 1 or jax.default_backend() != "gpu"
+      or (documents is not None and documents > bound)):
+    return None
+  return bound
 
 
 def compiled_peak(compiled: jax.stages.Compiled) -> int:
@@ -202,19 +218,23 @@ def device_memory() -> int | None:
 
 def fitting_schedule(config: Config, layout: Layout, spec: StateSpec, optimizer: AdamW,
                      batch: dict, compiler_options: dict | None = None,
-                     memory: int | None = None) -> tuple[Config, jax.stages.Compiled]:
+                     memory: int | None = None, *,
+                     documents: int | None = None) -> tuple[Config, jax.stages.Compiled]:
   """(the config with its pipeline schedule resolved, its compiled step). With pipeline stages
   and `parallel.pipeline_schedule=auto`: GPipe's step (no recomputation: the fastest) if it
   needs no more than `memory` bytes per device (default: the device's limit, where it has one),
   else the schedule the stages bound (1F1B, or interleaved with repeats), compiled in its place;
-  GPipe stays where no bounded schedule runs or under QK-clip (GPipe only), with a warning."""
+  GPipe stays where no bounded schedule runs or under QK-clip (GPipe only), with a warning.
+  `documents`: the step is only for batches whose rows hold at most that many documents each
+  (counted on the host; `documents_bound`), so that cuDNN's packed attention runs with no
+  branch on the device (jmoe/ops/attention_kernels.py); None: for any batch."""
   if layout.stages == 1 or config.parallel.pipeline_schedule != "auto":
-    return config, _compile(config, layout, spec, optimizer, batch, compiler_options)
+    return config, _compile(config, layout, spec, optimizer, batch, compiler_options, documents)
   micro = config.train.num_micro_batches
   with_schedule = lambda name: dataclasses.replace(config, parallel=dataclasses.replace(
       config.parallel, pipeline_schedule=name))
   gpipe = with_schedule("gpipe")
-  compiled = _compile(gpipe, layout, spec, optimizer, batch, compiler_options)
+  compiled = _compile(gpipe, layout, spec, optimizer, batch, compiler_options, documents)
   memory = device_memory() if memory is None else memory
   need = compiled_peak(compiled)
   if memory is None or need <= memory:
@@ -229,16 +249,17 @@ def fitting_schedule(config: Config, layout: Layout, spec: StateSpec, optimizer:
                 f"{layout.repeats} repeats (interleaved needs a multiple of the stages)")
     return gpipe, compiled
   chosen = with_schedule(bounded)
-  compiled = _compile(chosen, layout, spec, optimizer, batch, compiler_options)
+  compiled = _compile(chosen, layout, spec, optimizer, batch, compiler_options, documents)
   log.info("pipeline_schedule=auto: GPipe's step needs %s per device, more than the %s it has: "
            "%s instead (%s)", gib(need), gib(memory), bounded, gib(compiled_peak(compiled)))
   return chosen, compiled
 
 
 def _compile(config: Config, layout: Layout, spec: StateSpec, optimizer: AdamW, batch: dict,
-             compiler_options: dict | None) -> jax.stages.Compiled:
+             compiler_options: dict | None, documents: int | None) -> jax.stages.Compiled:
   step = make_train_step(spec.graphdef, config, optimizer, learning_rate(config.train))
-  with layout.active():  # the model's sharding annotations read the layout while tracing
+  # (the model's sharding annotations read the layout while tracing, the attention the bound)
+  with layout.active(), documents_per_row(documents):
     return jax.jit(step, in_shardings=(spec.shardings, layout.batch),
                    out_shardings=(spec.shardings, layout.replicated),
                    donate_argnums=0).lower(spec.abstract, batch).compile(compiler_options)
