@@ -37,10 +37,9 @@ differ from the query/key head dim A (multi-head latent attention).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
-from typing import Callable, Iterator
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -265,21 +264,17 @@ def _cudnn_call(segment_ids_BS, window, max_documents):
 
 
 # The most documents any row of the batch being traced holds, as its caller counted them on
-# the host (`documents_per_row`); None: not known, decided on the device.
-_DOCUMENTS_PER_ROW: contextvars.ContextVar[int | None] = contextvars.ContextVar(
-    "jmoe_documents_per_row", default=None)
+# the host (`documents_per_row`); None: not known, decided on the device. A JAX user context:
+# part of the key of JAX's caches of traces and compiled programs, so that a function traced
+# under one bound is traced again under another.
+_DOCUMENTS_PER_ROW = jax.make_user_context(default_value=None)
 
 
-@contextlib.contextmanager
-def documents_per_row(at_most: int | None) -> Iterator[None]:
-  """While tracing inside: every row of the segment ids the cuDNN kernels are given holds at most
-  `at_most` documents (None: not known). The caller must have counted them on the host (a row
-  with more would be attended wrongly); a program traced so is only for such batches."""
-  token = _DOCUMENTS_PER_ROW.set(at_most)
-  try:
-    yield
-  finally:
-    _DOCUMENTS_PER_ROW.reset(token)
+def documents_per_row(at_most: int | None) -> contextlib.AbstractContextManager:
+  """A context within which every row of the segment ids the cuDNN kernels are given holds at
+  most `at_most` documents (None: not known). The caller must have counted them on the host (a
+  row with more would be attended wrongly); a program traced so is only for such batches."""
+  return _DOCUMENTS_PER_ROW(at_most)
 
 
 def _packed_fits(segment_ids_BS, max_documents):
@@ -291,7 +286,7 @@ def _fits_or_branch(fused: Callable, unpacked: Callable, max_documents: int, *ar
   """`fused(*args)` where the rows are known to hold at most `max_documents` documents
   (`documents_per_row`), else a branch on the device between it and `unpacked(*args)`
   (args end with the segment ids)."""
-  known = _DOCUMENTS_PER_ROW.get()
+  known = _DOCUMENTS_PER_ROW.value
   if known is not None and known <= max_documents:
     return fused(*args)
   return jax.lax.cond(_packed_fits(args[-1], max_documents), fused, unpacked, *args)
