@@ -3,7 +3,7 @@ memory figures for it, and where its temporaries peak, before renting the GPU.
 
   python scripts/compile_for_gpu.py --config configs/NAME.py [--gpu h200|h100] [--devices N]
       (N GPUs: one host's up to 8, or hosts of 8)
-      [--packed] [--hlo FILE] [--largest 20] [--config.group.key=value ...]
+      [--packed [--any-documents]] [--hlo FILE] [--largest 20] [--config.group.key=value ...]
 
 Needs JAX's CUDA plugin installed (`pip install "jax[cuda13]"`; no GPU, no driver): JAX compiles
 for a GPU it is given a description of (TARGETS: compute capability, SMs, memory), as its
@@ -81,6 +81,12 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--packed", action="store_true",
                       help="the step for rows packed from several documents (segment ids and "
                            "positions beside the tokens), as benchmark.py --packed runs it")
+  parser.add_argument("--any-documents", action="store_true",
+                      help="(--packed) the step for any batch, which branches on the device "
+                           "between cuDNN's packed attention and XLA's by the rows' documents, "
+                           "as training compiles it on several hosts or once a batch has rows "
+                           "of more than model.attention_max_documents; else, on one host, "
+                           "the step for rows of at most that many, with no branch")
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
 
@@ -134,8 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), np.int32,
                                 sharding=layout.batch)
     batch = {"tokens": rows, **({"segment_ids": rows, "positions": rows} if args.packed else {})}
+    # (as jmoe.train compiles it: jmoe/train/step.py documents_bound, for this host's count)
+    documents = (None if args.any_documents or hosts > 1
+                 else config.model.attention_max_documents)
     try:
-      compiled = compile_train_step(config, layout, spec, optimizer, batch)
+      compiled = compile_train_step(config, layout, spec, optimizer, batch, documents=documents)
       hlo = compiled.as_text()
       temp = temporaries(dump, hlo)
     finally:
@@ -160,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                                       for shape, count, n in temp.by_shape()[:8]))
     print(json.dumps({
         "config": args.config, "overrides": overrides, "packed": args.packed,
+        "documents_per_row": documents if args.packed else None,
         "gpu": gpu.device_kind,
         "devices": devices, "peak_gib": round(gib(compiled_peak(compiled)), 3),
         "temp_gib": round(gib(m.temp_size_in_bytes), 3),
