@@ -65,6 +65,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
             done, untimed = done + 1, untimed + 1
       t0 = time.perf_counter()
       trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
+      last_call = time.perf_counter() - t0  # (its checks and the state's copy to the host)
       trainer.checkpointer.wait()
       last_write = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
@@ -81,6 +82,10 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       # the same to the end of the last step, without the last checkpoint's write
       "loop_tokens_per_s_steps": round(tokens / stepped),
       "loop_last_write_s": round(last_write, 1),
+      # of which the save call (the finiteness check, the copy to the host) and the rest (the
+      # write, Orbax's finishing, the removal of a step past checkpoint.keep)
+      "loop_last_save_call_s": round(last_call, 2),
+      "loop_last_save_wait_s": round(last_write - last_call, 2),
       "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
       if intervals else None,
       # each logged record's (step, tokens/s since the record before): where the loop loses time
