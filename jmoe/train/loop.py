@@ -128,7 +128,10 @@ class Trainer:
       self._any_step = None  # the step for rows of more documents, compiled when one comes
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
-      log.info("compiled the train step in %.1f s", time.perf_counter() - t0)
+      log.info("compiled the train step in %.1f s%s", time.perf_counter() - t0,
+               "" if self._documents is None else
+               f" for rows of up to {self._documents} documents (model.attention_max_documents:"
+               f" counted per batch; a batch with more gets a second step)")
       if layout.stages > 1:
         log_pipeline(scheduled, layout)
       try:
