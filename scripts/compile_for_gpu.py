@@ -133,16 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     from jmoe.parallel import make_layout
     from jmoe.train.optimizer import make_optimizer
     from jmoe.train.state import state_spec
-    from jmoe.train.step import compile_train_step, compiled_peak
+    from jmoe.train.step import compile_train_step, compiled_peak, documents_bound
     layout = make_layout(config.parallel, list(topology.devices))
     optimizer = make_optimizer(config.train, config.precision.moments)
     spec = state_spec(config, layout, optimizer)
     rows = jax.ShapeDtypeStruct((config.train.batch_size, config.data.seq_len + 1), np.int32,
                                 sharding=layout.batch)
     batch = {"tokens": rows, **({"segment_ids": rows, "positions": rows} if args.packed else {})}
-    # (as jmoe.train compiles it: jmoe/train/step.py documents_bound, for this host's count)
-    documents = (None if args.any_documents or hosts > 1
-                 else config.model.attention_max_documents)
+    # (as jmoe.train compiles it; this process is one, whatever the hosts it compiles for)
+    documents = None if args.any_documents or hosts > 1 else documents_bound(config)
     try:
       compiled = compile_train_step(config, layout, spec, optimizer, batch, documents=documents)
       hlo = compiled.as_text()
