@@ -82,6 +82,10 @@ class ModelConfig:
       return True
     return layer % self.full_attention_every != self.full_attention_every - 1
 
+  def layer_period(self) -> int:
+    """Layers repeat their kind (windowed or full attention) every this many (1: all alike)."""
+    return self.full_attention_every if self.sliding_window and self.full_attention_every else 1
+
 
 @dataclass(frozen=True)
 class RouterConfig:
