@@ -74,14 +74,13 @@ def test_remat_and_unrolled_layers_equal_the_plain_loop(remat, unroll):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("remat, unroll", [("none", 1), ("full", 4)])
-def test_alternating_windows_are_fixed_when_traced_and_equal_the_branching_loop(
+@pytest.mark.parametrize("remat, unroll", [("none", 5), ("full", 5), ("none", 2)])
+def test_alternating_windows_are_fixed_when_unrolled_and_equal_the_branching_loop(
     monkeypatch, remat, unroll):
-  """Windowed and full attention alternating (GPT-OSS): the loop over a stack of whole periods
-  runs a period per iteration, each layer's kind fixed when traced (no branch on the device);
-  the same loss and gradients as the loop that branches on each layer's index. 5 layers, 1
-  dense: the dense stack (1 layer, no whole period) still branches, the MoE stack (4, from
-  layer 1) does not."""
+  """Windowed and full attention alternating (GPT-OSS): with every layer of a stack unrolled,
+  each layer's kind is fixed when traced (no branch on the device); the same loss and
+  gradients as the loop that branches on each layer's index, which a loop of fewer unrolled
+  layers keeps. 5 layers, 1 dense."""
   config = tiny_config(model=dict(num_layers=5, sliding_window=4, full_attention_every=2,
                                   attention_sinks=True, scan_unroll=unroll),
                        train=dict(remat=remat))
@@ -93,24 +92,25 @@ def test_alternating_windows_are_fixed_when_traced_and_equal_the_branching_loop(
       logits, stats = m(tokens())
       return jnp.mean(jax.nn.logsumexp(logits, -1)) + jnp.sum(stats.router.aux_loss)
 
-    def blocks(name):  # the branches in one stack's loop, as lowered
-      stack = getattr(model, name)
+    def branches(name):  # in one stack's layers, as lowered
       x = jnp.zeros((2, 24, config.model.d_model))
       positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
       first = 0 if name == "dense_blocks" else config.moe.first_k_dense
-      run = lambda x: run_stack(stack, x, positions, first_layer=first, remat=remat,
-                                period=config.model.layer_period())
+      run = lambda x: run_stack(getattr(model, name), x, positions, first_layer=first,
+                                remat=remat, unroll=unroll,
+                                straight=config.model.layers_differ())
       return jax.jit(run).lower(x).as_text().count("stablehlo.case")
 
-    return nnx.value_and_grad(loss)(model), blocks("dense_blocks"), blocks("moe_blocks")
+    return (nnx.value_and_grad(loss)(model),
+            [branches(name) for name in ("dense_blocks", "moe_blocks")])
 
   from jmoe.config.schema import ModelConfig
   from jmoe.model.stack import run_stack
-  (l0, g0), dense_branches, moe_branches = run()
-  assert dense_branches > 0 and moe_branches == 0
-  monkeypatch.setattr(ModelConfig, "layer_period", lambda self: 1)
-  (l1, g1), _, moe_branches = run()
-  assert moe_branches > 0  # (the check sees a branch where there is one)
+  (l0, g0), (dense, moe) = run()
+  assert dense == 0 and (moe == 0) == (unroll >= 4)  # (1 dense layer: always all unrolled)
+  monkeypatch.setattr(ModelConfig, "layers_differ", lambda self: False)
+  (l1, g1), (dense, moe) = run()
+  assert dense > 0 and moe > 0  # (the check sees a branch where there is one)
   np.testing.assert_allclose(l0, l1, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -82,9 +82,9 @@ class ModelConfig:
       return True
     return layer % self.full_attention_every != self.full_attention_every - 1
 
-  def layer_period(self) -> int:
-    """Layers repeat their kind (windowed or full attention) every this many (1: all alike)."""
-    return self.full_attention_every if self.sliding_window and self.full_attention_every else 1
+  def layers_differ(self) -> bool:
+    """Whether a layer's index decides what it does (windows on some layers, not all)."""
+    return bool(self.sliding_window and self.full_attention_every)
 
 
 @dataclass(frozen=True)

@@ -127,7 +127,7 @@ class Transformer(nnx.Module):
     for name, first in (("dense_blocks", 0), ("moe_blocks", self.first_moe_layer)):
       if getattr(self, name) is not None:
         x_BSD, cache[name] = decode_stack(getattr(self, name), x_BSD, positions_BS, cache[name],
-                                          first, period=self.cfg.layer_period())
+                                          first)
     return self._logits(self.final_norm(x_BSD)), cache
 
   def head_weights(self, dtype) -> jax.Array:
@@ -184,7 +184,7 @@ class Transformer(nnx.Module):
     else:
       x_BSD, stats = run_stack(self.moe_blocks, x_BSD, positions_BS, segment_ids_BS,
                                remat=self.remat, rng=rng, first_layer=self.first_moe_layer,
-                               unroll=self.cfg.scan_unroll, period=self.cfg.layer_period())
+                               unroll=self.cfg.scan_unroll, straight=self.cfg.layers_differ())
     tops.append(stats.max_logit_H)
     top_LH = jnp.concatenate([t for t in tops if t is not None]) if self.max_logit else None
     return x_BSD, stats.replace(max_logit_H=top_LH)
@@ -201,7 +201,7 @@ class Transformer(nnx.Module):
       return x_BSD, None
     x_BSD, dense = run_stack(self.dense_blocks, x_BSD, positions_BS, segment_ids_BS,
                              remat=self.remat, unroll=self.cfg.scan_unroll,
-                             period=self.cfg.layer_period())
+                             straight=self.cfg.layers_differ())
     return x_BSD, dense.max_logit_H
 
   def _logits(self, x_BSD):
