@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jmoe.config.schema import ModelConfig
+from jmoe.model.stack import run_stack
 from jmoe.model.transformer import Transformer
 from helpers import build, tiny_config
 
@@ -35,7 +37,6 @@ def test_no_gradient_flows_from_the_future():
 
   def logit_at(x_BSD, pos):
     # Run the stacks on embeddings directly so the gradient is taken w.r.t. each position's input.
-    from jmoe.model.stack import run_stack
     positions = jnp.broadcast_to(jnp.arange(x_BSD.shape[1]), x_BSD.shape[:2])
     h, _ = run_stack(model.dense_blocks, x_BSD, positions)
     h, _ = run_stack(model.moe_blocks, h, positions)
@@ -96,16 +97,14 @@ def test_alternating_windows_are_fixed_when_unrolled_and_equal_the_branching_loo
       x = jnp.zeros((2, 24, config.model.d_model))
       positions = jnp.broadcast_to(jnp.arange(24), (2, 24))
       first = 0 if name == "dense_blocks" else config.moe.first_k_dense
-      run = lambda x: run_stack(getattr(model, name), x, positions, first_layer=first,
-                                remat=remat, unroll=unroll,
-                                straight=config.model.layers_differ())
-      return jax.jit(run).lower(x).as_text().count("stablehlo.case")
+      forward = lambda x: run_stack(getattr(model, name), x, positions, first_layer=first,
+                                    remat=remat, unroll=unroll,
+                                    straight=config.model.layers_differ())
+      return jax.jit(forward).lower(x).as_text().count("stablehlo.case")
 
     return (nnx.value_and_grad(loss)(model),
             [branches(name) for name in ("dense_blocks", "moe_blocks")])
 
-  from jmoe.config.schema import ModelConfig
-  from jmoe.model.stack import run_stack
   (l0, g0), (dense, moe) = run()
   assert dense == 0 and (moe == 0) == (unroll >= 4)  # (1 dense layer: always all unrolled)
   monkeypatch.setattr(ModelConfig, "layers_differ", lambda self: False)

@@ -81,16 +81,12 @@ def run_stack(stack: nnx.Module, x, *args, remat: str = "none", rng: jax.Array |
       return x, y
     return jnp.where(on, x, carry), jax.tree.map(lambda a: jnp.where(on, a, 0), y)
 
-  def step(carry, layer, index):
-    if policy is None:
-      return run_layer(carry, layer, index)
-    if isinstance(index, int):  # closed over, so that it stays a Python int
-      return jax.checkpoint(lambda c, l: run_layer(c, l, index), policy=policy,
-                            prevent_cse=prevent_cse)(carry, layer)
-    return jax.checkpoint(run_layer, policy=policy, prevent_cse=prevent_cse)(carry, layer, index)
+  def rematerialised(carry, layer, index):  # (the index closed over: a Python int stays one)
+    return jax.checkpoint(lambda c, l: run_layer(c, l, index), policy=policy,
+                          prevent_cse=prevent_cse)(carry, layer)
 
-  return scan_layers(step, x, (state, keys, active), first_layer=first_layer,
-                     straight=straight, unroll=unroll)
+  return scan_layers(run_layer if policy is None else rematerialised, x, (state, keys, active),
+                     first_layer=first_layer, straight=straight, unroll=unroll)
 
 
 def decode_stack(stack: nnx.Module, x, positions_BS, cache: dict, first_layer: int = 0):
