@@ -328,6 +328,106 @@ def test_a_logged_step_is_read_once_the_next_step_is_launched(tmp_path, monkeypa
   assert [json.loads(line)["step"] for line in lines] == [1, 2, 4, 6]
 
 
+def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched(tmp_path,
+                                                                                monkeypatch):
+  """Where the devices have room for a copy of the state, a periodic save's copy and the check
+  that the parameters are finite are queued behind the step, and the loop reads them (and hands
+  the copy to the checkpointer) only after it has launched the next step, so the device does
+  not wait for the host there; without room the save is made before the next step. Either way
+  the checkpoints hold the same state and data position, bit for bit, and the records match."""
+  from jmoe.checkpoint import Checkpointer, manager
+  from jmoe.train import loop
+  from jmoe.train.start import saved_part
+  real_copy = manager.device_copy
+  roomy = lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}
+  config = tiny_config(train=dict(steps=5, log_every=2), checkpoint=dict(every=2, keep=5))
+  events, saved, logged = {}, {}, {}
+  for room in (True, False):
+    monkeypatch.setattr(manager, "device_copy",
+                        lambda tree: real_copy(tree, roomy) if room else None)
+    events[room] = seen = []
+    workdir = tmp_path / str(room)
+    with loop.Trainer(config, workdir, progress=False) as trainer:
+      step_fn, save = trainer._step_fn, trainer.checkpointer.save
+
+      def launched(state, batch):
+        out = step_fn(state, batch)
+        seen.append(("launch", trainer.step + 1))
+        return out
+
+      def recorded(step, *args, copied=False, **kwargs):
+        seen.append(("save", step))
+        assert copied == room
+        return save(step, *args, copied=copied, **kwargs)
+
+      trainer._step_fn = launched
+      monkeypatch.setattr(trainer.checkpointer, "save", recorded)
+      summarize = loop.summarize
+      monkeypatch.setattr(loop, "summarize", lambda metrics, step: seen.append(
+          ("read", step)) or summarize(metrics, step))
+      logged[room] = [{k: v for k, v in r.items()  # (less the timings)
+                       if k != "tokens_per_s" and not k.startswith("loader_")}
+                      for r in trainer.train()]
+      trainer.checkpointer.wait()
+      abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              saved_part(config, trainer.state))
+      shardings = jax.tree.map(lambda x: x.sharding, saved_part(config, trainer.state))
+    monkeypatch.setattr(loop, "summarize", summarize)
+    reader = Checkpointer(workdir / "checkpoints", keep=5)
+    assert reader.all_steps() == [2, 4]
+    saved[room] = [(jax.tree.map(np.asarray, state), data)
+                   for state, data in (reader.restore(step, abstract, shardings)
+                                       for step in (2, 4))]
+    reader.close()
+  launch = lambda *steps: [("launch", s) for s in steps]
+  assert events[True] == [*launch(1, 2), ("read", 1), ("launch", 3), ("read", 2), ("save", 2),
+                          *launch(4, 5), ("read", 4), ("save", 4), ("read", 5)]
+  assert events[False] == [*launch(1, 2), ("read", 1), ("read", 2), ("save", 2),
+                           *launch(3, 4), ("read", 4), ("save", 4), ("launch", 5), ("read", 5)]
+  assert logged[True] == logged[False] and [r["step"] for r in logged[True]] == [1, 2, 4, 5]
+  for (state, data), (want, want_data) in zip(saved[True], saved[False]):
+    assert data == want_data
+    jax.tree.map(np.testing.assert_array_equal, state, want)
+  assert any(not np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(state)
+                                                         for state, _ in saved[True])))
+
+
+def test_a_save_from_a_device_copy_outlives_an_error_and_never_holds_non_finite_values(
+    tmp_path, monkeypatch):
+  """A save whose copy was taken when the next step's batch fails is still made (the error goes
+  on); one whose parameters turn out not finite is refused (`Diverged`) and leaves the earlier
+  checkpoints as they were."""
+  import jax.numpy as jnp
+  from jmoe.checkpoint import manager
+  from jmoe.errors import Diverged
+  from jmoe.train import loop
+  real_copy = manager.device_copy
+  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(
+      tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}))
+  config = tiny_config(train=dict(steps=8, log_every=1), checkpoint=dict(every=2, keep=5))
+  steps = lambda: sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())
+  with loop.Trainer(config, tmp_path, progress=False) as trainer:
+    trainer.train(2)  # (the call ends on a save's step: made as the call returns)
+    trainer.checkpointer.wait()
+    assert steps() == [2]
+    next_batch = trainer.data.next_batch
+
+    def failing():
+      if trainer.step == 4:
+        raise OSError(5, "Input/output error")
+      return next_batch()
+    monkeypatch.setattr(trainer.data, "next_batch", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+      trainer.train(3)
+    assert trainer.step == 4 and steps() == [2, 4]
+    monkeypatch.setattr(trainer.data, "next_batch", next_batch)
+    monkeypatch.setattr(loop, "finite_flag", lambda tree: jnp.asarray(False))
+    with pytest.raises(Diverged, match="parameters at step 6 are not finite, so they are not "
+                                       "saved"):
+      trainer.train(2)
+  assert steps() == [2, 4]
+
+
 def test_the_runs_last_step_is_saved_once_with_every_core(tmp_path, monkeypatch):
   """`run` ends with a save it waits for; where a periodic save falls on the last step too, that
   step is saved once, as the waited save (every core), not started in the background at

@@ -141,15 +141,30 @@ class Checkpointer:
         thread.join()
     self._reserving = self._compiling = None
 
+  def copy_for_save(self, state: Any) -> Any | None:
+    """A copy of `state` on its devices for a save beside training (`save(..., copied=True)`),
+    queued behind the step that made `state`, so that the next step may be launched (and may
+    overwrite `state`) before the save goes on; None where a save beside training takes no
+    copy: saves not asynchronous, several processes, or no room beside the step's peak (the
+    save must then be made before the next step). Waits for the previous save first, whose
+    copy may still hold device memory."""
+    if not self._async or jax.process_count() > 1:
+      return None
+    self.wait()
+    self.wait_reserved()
+    return device_copy(state)
+
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
-           run: dict[str, Any] | None = None, *, waited: bool = False) -> None:
+           run: dict[str, Any] | None = None, *, waited: bool = False,
+           copied: bool = False) -> None:
     """Starts saving `state`, the data position and `run` (what a resume checks) as step
     `step`; returns before the write ends (with async saves not `waited` for, before the arrays
     reach the host where the devices have room for a copy of them). A step that is already
     saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
     write takes every core (or `waited_write_threads`) and is compressed only with
     `compress_waited`; else a write in the background is held to `write_threads` and
-    compressed (jmoe/checkpoint/writer.py).
+    compressed (jmoe/checkpoint/writer.py). `copied`: `state` is `copy_for_save`'s copy, taken
+    to the host and written beside training.
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
@@ -160,7 +175,10 @@ class Checkpointer:
     # collectives, which must not run beside a step's from another thread: foreground there. A
     # save the caller waits for takes the state to the host as it is (a copy would only cost
     # time and memory).
-    copy = device_copy(state) if beside and jax.process_count() == 1 else None
+    if copied:
+      copy = state
+    else:
+      copy = device_copy(state) if beside and jax.process_count() == 1 else None
     writing = dict(threads=self._write_threads if beside else self._waited_threads,
                    compressed=beside or self._compress_waited)
     use_array_writer(**writing)

@@ -26,8 +26,9 @@ def _all_finite():
                                                  for x in jax.tree.leaves(tree)])))
 
 
-def all_finite(tree) -> bool:
-  return bool(_all_finite()(tree))
+def finite_flag(tree) -> jax.Array:
+  """Whether every array of `tree` is finite, as a device scalar (queued, not waited for)."""
+  return _all_finite()(tree)
 
 
 class StepHealth:

@@ -24,7 +24,7 @@ from jmoe.inference.score import score
 from jmoe.model.stages import Schedule, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.parallel import make_layout
-from jmoe.train.health import StepHealth, all_finite
+from jmoe.train.health import StepHealth, finite_flag
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
@@ -184,44 +184,67 @@ class Trainer:
     while nothing runs beside it, and the caller would wait for that slower write.
 
     A logged step's metrics are read once the next step is queued behind it, so that the device
-    never waits for the host to write a record and launch the next step; the call's last step,
-    a step that evaluates and a logged step that saves are read at once."""
+    never waits for the host to write a record and launch the next step; the call's last step
+    and a step that evaluates are read at once. A periodic save is made the same way where the
+    devices have room for a copy of the state: the copy and the check that the parameters are
+    finite are queued behind the step, and read (and the copy handed to the checkpointer) once
+    the next step is launched; without that room the save is made before the next step."""
     cfg = self.config
     end = cfg.train.steps if steps is None else self.step + steps
     records, first = [], self.step + 1
     self._since = (time.perf_counter(), self.step)
     queued = None  # a logged step's (step, metrics), read after the next step is launched
-    while self.step < end:
-      batch = self.data.next_batch()
-      self.state, metrics = self.step_for(self.data.documents)(self.state, batch)
-      self.checkpointer.stepped()
-      self.step = done = self.step + 1
-      self._last_metrics = metrics
-      if queued is not None:
-        records.append(self._log(*queued))
-        queued = None
-      self.health.add(done, metrics["skipped"])
-      evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
-      # (asked of every process at every step: on several hosts it is a collective)
-      stopping = done < end and signals is not None and signals.stop_requested(done)
-      # The run's last step, and a step a stop signal ends the run at, are saved in the
-      # foreground below (every core), not started in the background here.
-      saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0
-                and not (final_save and done == end) and not stopping)
-      logged = done % cfg.train.log_every == 0 or done == first
-      if evaluate or done == end or (saving and logged):
-        # (before a save, which waits for the step anyway and may stop the run)
-        records.append(self._log(done, metrics, evaluate=bool(evaluate)))
-      elif logged:
-        queued = (done, metrics)
-      if saving:
-        self.save()
-      if stopping:
+    saving_copy = None  # what ends a save of the previous step's copy (`_save_from_copy`)
+    try:
+      while self.step < end:
+        batch = self.data.next_batch()
+        self.state, metrics = self.step_for(self.data.documents)(self.state, batch)
+        self.checkpointer.stepped()
+        self.step = done = self.step + 1
+        self._last_metrics = metrics
         if queued is not None:
           records.append(self._log(*queued))
-        self.save(waited=True)
-        self.checkpointer.wait()
-        raise Interrupted(done, signals.signum)
+          queued = None
+        if saving_copy is not None:
+          # (before this step's flag is added: the save's health check then reads none of it)
+          finish, saving_copy = saving_copy, None
+          finish()
+        self.health.add(done, metrics["skipped"])
+        evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
+        # (asked of every process at every step: on several hosts it is a collective)
+        stopping = done < end and signals is not None and signals.stop_requested(done)
+        # The run's last step, and a step a stop signal ends the run at, are saved in the
+        # foreground below (every core), not started in the background here.
+        saving = (cfg.checkpoint.every and done % cfg.checkpoint.every == 0
+                  and not (final_save and done == end) and not stopping)
+        logged = done % cfg.train.log_every == 0 or done == first
+        if evaluate or done == end:
+          records.append(self._log(done, metrics, evaluate=bool(evaluate)))
+        elif logged:
+          queued = (done, metrics)
+        if saving:
+          saving_copy = self._save_from_copy()
+          if saving_copy is None:  # (no copy: saved now, the step waited for)
+            if queued is not None:  # (logged first: the save may stop the run)
+              records.append(self._log(*queued))
+              queued = None
+            self.save()
+        if stopping:
+          if queued is not None:
+            records.append(self._log(*queued))
+          self.save(waited=True)
+          self.checkpointer.wait()
+          raise Interrupted(done, signals.signum)
+    except BaseException:
+      if saving_copy is not None:  # (the step whose copy was taken is saved all the same)
+        try:
+          saving_copy()
+          self.checkpointer.wait()
+        except Exception as e:  # noqa: BLE001 - the error under way names the cause
+          log.warning("the checkpoint begun before the error below could not be saved: %s", e)
+      raise
+    if saving_copy is not None:  # (the call's last step)
+      saving_copy()
     return records
 
   def step_for(self, documents: int | None) -> Callable:
@@ -282,6 +305,32 @@ class Trainer:
     with self.layout.active():
       return evaluation_loss(self._eval_fn, self.state, self.data.eval_batches())
 
+  def _save_from_copy(self) -> Callable[[], None] | None:
+    """Starts the save of the current step beside the next one: the state's copy on its devices
+    and the parameters' finiteness, both queued behind the step (Checkpointer.copy_for_save).
+    Returns what ends the save, to be called once the next step is launched (it reads the
+    health flags up to this step and the finiteness, and hands the copy to the checkpointer),
+    or None where there is no copy: the caller then saves before the next step."""
+    if self._saved == self.step:
+      return None
+    copy = self.checkpointer.copy_for_save(saved_part(self.config, self.state))
+    if copy is None:
+      return None
+    step, data, finite = self.step, self.data.state(), finite_flag(self.state.params)
+
+    def finish() -> None:
+      self.health.check()
+      if not bool(finite):
+        raise self._not_finite(step)
+      self.checkpointer.save(step, copy, data, self._record, copied=True)
+      self._saved = step
+    return finish
+
+  def _not_finite(self, step: int) -> Diverged:
+    return Diverged(f"the parameters at step {step} are not finite, so they are not saved; the "
+                    f"checkpoints hold earlier ones. Try a lower train.lr (now "
+                    f"{self.config.train.lr:g}) or train.grad_clip")
+
   def save(self, waited: bool = False) -> pathlib.Path:
     """A checkpoint of the current step (in the background with `checkpoint.async_save`), never
     of non-finite parameters (`Diverged` then). `waited`: the caller waits for it (the run's last,
@@ -289,10 +338,8 @@ class Trainer:
     is not compressed unless `checkpoint.compress_waited`."""
     if self._saved != self.step:
       self.health.check()
-      if not all_finite(self.state.params):
-        raise Diverged(f"the parameters at step {self.step} are not finite, so they are not "
-                       f"saved; the checkpoints hold earlier ones. Try a lower train.lr (now "
-                       f"{self.config.train.lr:g}) or train.grad_clip")
+      if not bool(finite_flag(self.state.params)):
+        raise self._not_finite(self.step)
       self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state(),
                              self._record, waited=waited)
       self._saved = self.step
