@@ -333,8 +333,9 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
   """Where the devices have room for a copy of the state, a periodic save's copy and the check
   that the parameters are finite are queued behind the step, and the loop reads them (and hands
   the copy to the checkpointer) only after it has launched the next step, so the device does
-  not wait for the host there; without room the save is made before the next step. Either way
-  the checkpoints hold the same state and data position, bit for bit, and the records match."""
+  not wait for the host there (nor for the check's compilation, done at the start); without
+  room the save is made before the next step. Either way the checkpoints hold the same state
+  and data position, bit for bit, and the records match."""
   from jmoe.checkpoint import Checkpointer, manager
   from jmoe.train import loop
   from jmoe.train.start import saved_part
@@ -348,6 +349,9 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
     events[room] = seen = []
     workdir = tmp_path / str(room)
     with loop.Trainer(config, workdir, progress=False) as trainer:
+      with monkeypatch.context() as m:  # (the saves' finiteness check: compiled at the start)
+        m.setattr(jax, "jit", lambda *args, **kwargs: pytest.fail("compiled at the save"))
+        assert bool(loop.finite_flag(trainer.state.params))
       step_fn, save = trainer._step_fn, trainer.checkpointer.save
 
       def launched(state, batch):

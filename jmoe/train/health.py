@@ -9,26 +9,33 @@ non-finite parameters is never written.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
 import jax.numpy as jnp
 
+from jmoe.checkpoint.snapshot import compiled_for
 from jmoe.errors import Diverged
 
 log = logging.getLogger("jmoe")
 
 
-@functools.cache
-def _all_finite():
-  return jax.jit(lambda tree: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x))
-                                                 for x in jax.tree.leaves(tree)])))
+def _all_finite(arrays: list) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in arrays]))
 
 
 def finite_flag(tree) -> jax.Array:
-  """Whether every array of `tree` is finite, as a device scalar (queued, not waited for)."""
-  return _all_finite()(tree)
+  """Whether every array of `tree` is finite, as a device scalar (queued, not waited for); its
+  program compiled once per kind of tree (`compile_finite_check` compiles it beforehand)."""
+  arrays = jax.tree.leaves(tree)
+  return compiled_for(_all_finite, arrays)(arrays)
+
+
+def compile_finite_check(tree) -> None:
+  """Compiles `finite_flag` for trees like `tree` (arrays or ShapeDtypeStructs with their
+  shardings), so that the first save's check compiles nothing on the time of the step it
+  saves."""
+  compiled_for(_all_finite, jax.tree.leaves(tree))
 
 
 class StepHealth:

@@ -24,7 +24,7 @@ from jmoe.inference.score import score
 from jmoe.model.stages import Schedule, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.parallel import make_layout
-from jmoe.train.health import StepHealth, finite_flag
+from jmoe.train.health import StepHealth, compile_finite_check, finite_flag
 from jmoe.train.metrics import MetricsWriter, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
@@ -118,6 +118,7 @@ class Trainer:
                     self.step)
       self.data.check_first_batch()  # unreadable documents stop the run before compiling
       self.checkpointer.reserve_host_memory(saved_part(config, self.state))  # while compiling
+      compile_finite_check(self.state.params)  # (checked before each save)
       t0 = time.perf_counter()
       self._documents = documents_bound(config)
       scheduled, self._step_fn = fitting_schedule(config, layout, spec, optimizer,
