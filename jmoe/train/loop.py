@@ -25,7 +25,7 @@ from jmoe.model.stages import Schedule, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.parallel import make_layout
 from jmoe.train.health import StepHealth, compile_finite_check, finite_flag
-from jmoe.train.metrics import MetricsWriter, summarize
+from jmoe.train.metrics import MetricsWriter, drop_metrics_after, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
 from jmoe.train.state import TrainState, state_spec
@@ -412,23 +412,3 @@ def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
   results = jax.device_get([eval_fn(state.params, state.rest, batch) for batch in batches])
   total = sum(float(count) for _, count in results)
   return sum(float(loss) * float(count) for loss, count in results) / max(total, 1.0)
-
-
-def drop_metrics_after(path: pathlib.Path, step: int) -> None:
-  """Forgets logged steps after `step` (a run resumed from an earlier checkpoint logs them
-  again), and a line a crash cut short."""
-  if not path.exists():
-    return
-  lines = path.read_text().splitlines(keepends=True)
-  kept = []
-  for number, line in enumerate(lines, 1):
-    try:
-      record = json.loads(line)
-    except ValueError:
-      log.warning("%s:%d is not a whole record (a run stopped while writing it); dropping it",
-                  path, number)
-      continue
-    if record["step"] <= step:
-      kept.append(line if line.endswith("\n") else line + "\n")
-  if kept != lines:
-    write_atomic(path, "".join(kept))

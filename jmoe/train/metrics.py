@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 from typing import Any
 
 import numpy as np
 import tqdm.auto as tqdm
 from tensorboardX import SummaryWriter
+
+from jmoe.train.workdir import write_atomic
+
+log = logging.getLogger("jmoe")
 
 
 def summarize(raw: dict[str, Any], step: int) -> dict[str, Any]:
@@ -63,3 +68,23 @@ class MetricsWriter:
     if self._enabled:
       self._tb.close()
       self._jsonl.close()
+
+
+def drop_metrics_after(path: pathlib.Path, step: int) -> None:
+  """Forgets logged steps after `step` (a run resumed from an earlier checkpoint logs them
+  again), and a line a crash cut short."""
+  if not path.exists():
+    return
+  lines = path.read_text().splitlines(keepends=True)
+  kept = []
+  for number, line in enumerate(lines, 1):
+    try:
+      record = json.loads(line)
+    except ValueError:
+      log.warning("%s:%d is not a whole record (a run stopped while writing it); dropping it",
+                  path, number)
+      continue
+    if record["step"] <= step:
+      kept.append(line if line.endswith("\n") else line + "\n")
+  if kept != lines:
+    write_atomic(path, "".join(kept))
