@@ -312,25 +312,22 @@ class Trainer:
     Returns what ends the save, to be called once the next step is launched (it reads the
     health flags up to this step and the finiteness, and hands the copy to the checkpointer),
     or None where there is no copy: the caller then saves before the next step."""
-    if self._saved == self.step:
-      return None
     copy = self.checkpointer.copy_for_save(saved_part(self.config, self.state))
     if copy is None:
       return None
-    step, data, finite = self.step, self.data.state(), finite_flag(self.state.params)
+    return functools.partial(self._checked_save, self.step, copy, self.data.state(),
+                             finite_flag(self.state.params), copied=True)
 
-    def finish() -> None:
-      self.health.check()
-      if not bool(finite):
-        raise self._not_finite(step)
-      self.checkpointer.save(step, copy, data, self._record, copied=True)
-      self._saved = step
-    return finish
-
-  def _not_finite(self, step: int) -> Diverged:
-    return Diverged(f"the parameters at step {step} are not finite, so they are not saved; the "
-                    f"checkpoints hold earlier ones. Try a lower train.lr (now "
-                    f"{self.config.train.lr:g}) or train.grad_clip")
+  def _checked_save(self, step: int, state, data: dict, finite: jax.Array, **how) -> None:
+    """Checkpointer.save(step, state, ..., **how) once the health flags so far and `finite`
+    (the parameters' finiteness at `step`) say the state may be saved."""
+    self.health.check()
+    if not bool(finite):
+      raise Diverged(f"the parameters at step {step} are not finite, so they are not saved; the "
+                     f"checkpoints hold earlier ones. Try a lower train.lr (now "
+                     f"{self.config.train.lr:g}) or train.grad_clip")
+    self.checkpointer.save(step, state, data, self._record, **how)
+    self._saved = step
 
   def save(self, waited: bool = False) -> pathlib.Path:
     """A checkpoint of the current step (in the background with `checkpoint.async_save`), never
@@ -338,12 +335,8 @@ class Trainer:
     a stop signal's), so its write takes every core rather than `checkpoint.write_threads`, and
     is not compressed unless `checkpoint.compress_waited`."""
     if self._saved != self.step:
-      self.health.check()
-      if not bool(finite_flag(self.state.params)):
-        raise self._not_finite(self.step)
-      self.checkpointer.save(self.step, saved_part(self.config, self.state), self.data.state(),
-                             self._record, waited=waited)
-      self._saved = self.step
+      self._checked_save(self.step, saved_part(self.config, self.state), self.data.state(),
+                         finite_flag(self.state.params), waited=waited)
     return self.checkpointer.directory / str(self.step)
 
   def expert_load(self) -> np.ndarray:
