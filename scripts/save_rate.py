@@ -2,7 +2,7 @@
 beside the rate of plain file writes of the same bytes.
 
   python scripts/save_rate.py [--gib 18] [--file-mib 64] [--threads default] [--raw-threads 0]
-      [--repeats 2] DIR [DIR ...]
+      [--staging-gb 0] [--repeats 2] DIR [DIR ...]
 
 The state is a Qwen3-30B-A3B-like stack of expert weights (bf16) and AdamW moments (float32),
 random, on the default device, each array a Variable whose leading axes are layers and experts,
@@ -16,11 +16,14 @@ timed (`removed`: its files unlinked by as many threads as Orbax removes old ste
 by one thread, alternately: on tmpfs, freeing the pages is most of it). `--file-mib`:
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
 threads of each of TensorStore's two pools for the save (`default`: TensorStore's own, as jmoe's
-waited saves take). First, for each directory and file size, the same bytes, fetched to the host
-beforehand, are written as plain files of that size by each of `--raw-threads` threads (0: one
-per core) and removed (`raw_gb_per_s`: what the file system and the host's memory allow); that
-host copy is let go before the saves. Until 2026-12-06 the save was synchronous and the plain
-writes' time held the fetch to pageable memory, which on a GPU is most of it.
+waited saves take); `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at
+once; above 0, parts of that many GB, each written before the next goes, and `save` returns
+written: `to_host_s` then holds the whole save). First, for each directory and file size, the
+same bytes, fetched to the host beforehand, are written as plain files of that size by each of
+`--raw-threads` threads (0: one per core) and removed (`raw_gb_per_s`: what the file system and
+the host's memory allow); that host copy is let go before the saves. Until 2026-12-06 the save
+was synchronous and the plain writes' time held the fetch to pageable memory, which on a GPU is
+most of it.
 Prints one JSON line per save and one per removal; each directory is removed at the end, and on
 an error.
 """
@@ -104,11 +107,18 @@ def main(argv=None) -> int:
   parser.add_argument("--file-mib", default="64")
   parser.add_argument("--threads", default="default")
   parser.add_argument("--raw-threads", default="0")
+  parser.add_argument("--staging-gb", default="0")
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args(argv)
   file_mibs = numbers(args.file_mib, "--file-mib", parser)
   thread_counts = numbers(args.threads, "--threads", parser, default="default")
   raw_counts = numbers(args.raw_threads, "--raw-threads", parser, zero=True)
+  try:
+    stagings = [float(x) for x in args.staging_gb.split(",")]
+  except ValueError:
+    stagings = [-1.0]
+  if min(stagings) < 0:
+    parser.error(f"--staging-gb: each is a number of GB, 0 or more, not {args.staging_gb!r}")
   if args.repeats < 1:
     parser.error(f"--repeats: 1 or more, not {args.repeats}")
   for d in args.dirs:
@@ -123,9 +133,10 @@ def main(argv=None) -> int:
     try:
       for mib in file_mibs:
         writer.DATA_FILE_BYTES = mib * 2**20
-        for threads in thread_counts:
-          common = {"dir": str(d), "file_mib": mib, "threads": threads or "default"}
-          for line in saves(state, d, threads, args.repeats):
+        for threads, staging in ((t, g) for t in thread_counts for g in stagings):
+          common = {"dir": str(d), "file_mib": mib, "threads": threads or "default",
+                    "staging_gb": staging}
+          for line in saves(state, d, threads, args.repeats, staging):
             print(json.dumps({**common, "state_gib": round(nbytes / 2**30, 2), **line,
                               "gb_per_s": round(nbytes / line["seconds"] / 1e9, 2),
                               "write_gb_per_s": round(nbytes / max(line["write_s"], 1e-9) / 1e9,
@@ -155,10 +166,12 @@ def plain_writes(state, dirs, file_mibs, thread_counts) -> dict:
   return out
 
 
-def saves(state, d: pathlib.Path, threads: int | None, repeats: int) -> list[dict]:
+def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb: float = 0.0
+          ) -> list[dict]:
   """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
   from jmoe.checkpoint import Checkpointer
-  checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads)
+  checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads,
+                              staging_gb=staging_gb)
   out = []
   try:
     checkpointer.reserve_host_memory(state)

@@ -250,7 +250,7 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
   assert copy["split"].sharding.is_equivalent_to(shardings["split"], 2)
 
   real_copy = manager.device_copy
-  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(tree, roomy))
+  monkeypatch.setattr(manager, "device_copy", lambda tree, *_: real_copy(tree, roomy))
   checkpointer = Checkpointer(tmp_path / "checkpoints", keep=2)
   state = make()
   checkpointer.save(1, state, {"at": 1})
@@ -290,7 +290,7 @@ def test_a_paced_save_takes_its_device_copy_to_the_host_one_array_at_a_time(tmp_
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
   real_copy, copies, given = manager.device_copy, [], []
   monkeypatch.setattr(manager, "device_copy",
-                      lambda tree: copies.append(real_copy(tree, roomy)) or copies[-1])
+                      lambda tree, *_: copies.append(real_copy(tree, roomy)) or copies[-1])
   checkpointer = Checkpointer(tmp_path / "c", keep=1, paced_transfer=True)
   start = checkpointer._start
   monkeypatch.setattr(checkpointer, "_start",
@@ -319,7 +319,7 @@ def test_a_saves_transfer_waits_for_the_loops_lead_of_steps(tmp_path, monkeypatc
   from jmoe.checkpoint import manager
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
   real_copy = manager.device_copy
-  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(tree, roomy))
+  monkeypatch.setattr(manager, "device_copy", lambda tree, *_: real_copy(tree, roomy))
   checkpointer = Checkpointer(tmp_path / "c", keep=3, transfer_lead=3)
   started, start = threading.Event(), checkpointer._start
   monkeypatch.setattr(checkpointer, "_start",
@@ -347,6 +347,94 @@ def test_a_saves_transfer_waits_for_the_loops_lead_of_steps(tmp_path, monkeypatc
     restored, _ = checkpointer.restore(step, abstract, {"w": state(0.0)["w"].sharding})
     np.testing.assert_array_equal(restored["w"], np.full((4, 8), float(step), np.float32))
   checkpointer.close()
+
+
+def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, monkeypatch):
+  """With `staging_gb`, a save whose state nothing changes while it is written (the caller waits
+  for it, or it is the save's own copy on the devices) takes the arrays to the host in parts of
+  at most that many bytes, each written before the next goes (here one array a part), and one the
+  caller waits for returns written; a save beside training without a copy still takes every
+  array to the host before it returns (the next step may overwrite them). All read back whole."""
+  from jmoe.checkpoint import manager, writer
+  events = []
+  monkeypatch.setattr(writer.TransferOrder, "on_transfer_end",
+                      lambda self, key: events.append(("to host", jax.tree_util.keystr(key))))
+  monkeypatch.setattr(writer.TransferOrder, "on_write_end",
+                      lambda self, key: events.append(("written", jax.tree_util.keystr(key))))
+  values = {f"w{i}": np.full((8, 64), i, np.float32) for i in range(3)}  # 2 KiB each
+  state = jax.tree.map(jax.numpy.asarray, values)
+  keys = [f"['{name}']" for name in values]
+  one_by_one = [(what, key) for key in keys for what in ("to host", "written")]
+  all_first = [("to host", key) for key in keys] + [("written", key) for key in keys]
+  roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
+  real_copy = manager.device_copy
+  staged = Checkpointer(tmp_path / "s", keep=5, staging_gb=3000 / 1e9)
+  plain = Checkpointer(tmp_path / "p", keep=5)
+  # (checkpointer, step, room for a copy, waited, the order wanted, at save's return)
+  cases = [(staged, 1, False, True, one_by_one, one_by_one),  # (the run's last: written)
+           (staged, 2, True, False, one_by_one, None),  # (its own copy, in a thread)
+           (staged, 3, False, False, all_first, all_first[:3]),  # (training goes on beside it)
+           (plain, 1, False, True, all_first, all_first[:3]),
+           (plain, 2, True, False, all_first, None)]
+  for checkpointer, step, room, waited, want, at_return in cases:
+    monkeypatch.setattr(manager, "device_copy", lambda tree, *_, room=room: (
+        real_copy(tree, roomy) if room else None))
+    events.clear()
+    checkpointer.save(step, state, waited=waited)
+    if at_return is not None:
+      assert events[:len(at_return)] == at_return and len(events) >= len(at_return), step
+    assert (str(step) in {p.name for p in checkpointer.directory.iterdir()}) == (
+        at_return == one_by_one), step  # (finished at once only when it was waited for)
+    checkpointer.wait()
+    assert sorted(events, key=want.index) == want and events == want, (step, events)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  for checkpointer, step in ((staged, 1), (staged, 2), (staged, 3), (plain, 1), (plain, 2)):
+    restored, _ = checkpointer.restore(step, abstract, jax.tree.map(lambda x: x.sharding, state))
+    for name, array in values.items():
+      np.testing.assert_array_equal(restored[name], array)
+  for checkpointer in (staged, plain):
+    checkpointer.close()
+
+
+def test_the_room_for_a_copy_leaves_out_the_copies_made_before(monkeypatch):
+  """Once a state's copy has lived beside a step, a device's peak counts both; the room for the
+  next save's copy is judged by the peak before the first copy (or what is in use, if more), so
+  a state whose copy fits beside the step once fits at every save."""
+  from jmoe.checkpoint import manager
+  from jmoe.checkpoint.snapshot import CopyRoom
+  state = {"w": jax.device_put(np.ones(250, np.float32), jax.devices()[0])}  # 1,000 bytes
+  figures = {"bytes_limit": 10_000, "peak_bytes_in_use": 8_000, "bytes_in_use": 3_000}
+  room = CopyRoom(lambda device: dict(figures))
+  assert manager.device_copy(state, room) is not None  # 8,000 + 1,000 <= 9,500
+  room.copied = True
+  figures["peak_bytes_in_use"] = 9_000  # (the step beside the copy)
+  assert manager.device_copy(state, lambda device: dict(figures)) is None  # (the raw peak)
+  assert manager.device_copy(state, room) is not None
+  figures["bytes_in_use"] = 8_600  # (more in use now than the step's peak: counted)
+  assert manager.device_copy(state, room) is None
+  assert CopyRoom(lambda device: None)(jax.devices()[0]) is None  # (the host's own memory)
+  checkpointer = Checkpointer("/nonexistent/checkpoints", keep=1)
+  figures.update(peak_bytes_in_use=8_000, bytes_in_use=3_000)
+  monkeypatch.setattr(checkpointer._room, "_stats", lambda device: dict(figures))
+  assert checkpointer.copy_for_save(state) is not None and checkpointer._room.copied
+  figures["peak_bytes_in_use"] = 9_000
+  assert checkpointer.copy_for_save(state) is not None
+  checkpointer.close()
+
+
+def test_page_locked_memory_is_reserved_up_to_a_limit(monkeypatch):
+  """`pinned.reserve` allocates the state's arrays in order, all of them or, with a limit, until
+  they reach it (a staged save's two parts)."""
+  from jmoe.checkpoint import pinned
+  put = []
+  monkeypatch.setattr(pinned.jax, "device_put", lambda x, sharding: put.append(x.shape) or x)
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  tree = [jax.ShapeDtypeStruct((n, 250), np.float32, sharding=sharding) for n in (1, 2, 3, 4)]
+  pinned.reserve(tree)
+  assert put == [(1, 250), (2, 250), (3, 250), (4, 250)]
+  put.clear()
+  pinned.reserve(tree, 3_000)  # 1,000 + 2,000 bytes reach it
+  assert put == [(1, 250), (2, 250)]
 
 
 def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monkeypatch):
@@ -389,8 +477,8 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
            (held, 1, real_copy, True, False,
             ({"data_copy_concurrency": 5, "file_io_concurrency": 5}, False))]
   for checkpointer, step, copy, waited, threaded, want in cases:
-    monkeypatch.setattr(manager, "device_copy", (lambda tree: copy(tree, roomy)) if copy else
-                        (lambda tree: None))
+    monkeypatch.setattr(manager, "device_copy", (lambda tree, *_: copy(tree, roomy)) if copy else
+                        (lambda tree, *_: None))
     pools.clear()
     contexts.clear()
     checkpointer.save(step, state, waited=waited)
@@ -774,7 +862,8 @@ def test_pinned_reserve_copies_each_arrays_shape_and_placement_without_reading_i
 def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_path, monkeypatch):
   from jmoe.checkpoint import pinned
   started = []
-  monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree: started.append(tree))
+  monkeypatch.setattr(pinned, "reserve_in_thread",
+                      lambda tree, limit: started.append((tree, limit)))
   tree = {"a": jax.numpy.ones(4)}
   Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
   assert started == []  # the CPU's saves take no page-locked copy
@@ -782,7 +871,9 @@ def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_p
   Checkpointer(tmp_path / "c", keep=1, async_save=False).reserve_host_memory(tree)
   assert started == []
   Checkpointer(tmp_path / "c", keep=1).reserve_host_memory(tree)
-  assert started == [tree]
+  assert started == [(tree, None)]  # (all of it)
+  Checkpointer(tmp_path / "c", keep=1, staging_gb=2.5).reserve_host_memory(tree)
+  assert started[1:] == [(tree, 5e9)]  # (two parts of a staged save)
 
 
 def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tmp_path,
@@ -799,7 +890,7 @@ def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tm
           "b": jnp.ones(3, jnp.bfloat16), "scale": jnp.asarray(2.0), "step": 7}
   assert tree["scale"].weak_type and not tree["b"].weak_type
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree: None)  # (only the compile here)
+  monkeypatch.setattr(pinned, "reserve_in_thread", lambda *args: None)  # (only the compile here)
   checkpointer = Checkpointer(tmp_path / "c", keep=1)
   checkpointer.reserve_host_memory(tree)
   assert checkpointer._compiling is not None

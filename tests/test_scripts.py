@@ -322,16 +322,17 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   target = tmp_path / "saves"
   result = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(target),
                            "--gib", "0.01", "--file-mib", "64,1", "--threads", "default,2",
-                           "--raw-threads", "0,3", "--repeats", "1"],
+                           "--raw-threads", "0,3", "--staging-gb", "0,0.002", "--repeats", "1"],
                           capture_output=True, text=True, timeout=300, env=command_env())
   assert result.returncode == 0, result.stderr
   lines = [json.loads(line) for line in result.stdout.splitlines()]
   removals = [r for r in lines if "removed" in r]
   lines = [r for r in lines if "removed" not in r]
-  assert [(r["file_mib"], r["threads"]) for r in lines] == [
-      (64, "default"), (64, 2), (1, "default"), (1, 2)]
-  assert [(r["file_mib"], r["threads"], r["removed"]) for r in removals] == [
-      (64, "default", 1), (64, 2, 1), (1, "default", 1), (1, 2, 1)]
+  runs = [(mib, threads, staging) for mib in (64, 1) for threads in ("default", 2)
+          for staging in (0, 0.002)]
+  assert [(r["file_mib"], r["threads"], r["staging_gb"]) for r in lines] == runs
+  assert [(r["file_mib"], r["threads"], r["staging_gb"], r["removed"]) for r in removals] == [
+      (*run, 1) for run in runs]
   assert all(r["remove_s"] > 0 and r["removed_gib"] > 0.004 for r in removals), removals
   cores = str(len(os.sched_getaffinity(0)))
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
@@ -341,6 +342,7 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   assert not target.exists()
   for argument, why in (([str(tmp_path)], "exists"),
                         ([str(target), "--threads", "4,all"], "--threads: each is a whole number"),
+                        ([str(target), "--staging-gb", "1,-2"], "--staging-gb: each is a number"),
                         ([str(target), "--repeats", "0"], "--repeats: 1 or more")):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), *argument],
                              capture_output=True, text=True, timeout=120, env=command_env())
@@ -512,7 +514,7 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
   from jmoe.train.loop import Trainer
   real_copy = manager.device_copy
   copies = []
-  monkeypatch.setattr(manager, "device_copy", lambda tree: copies.append(tree) or (real_copy(
+  monkeypatch.setattr(manager, "device_copy", lambda tree, *_: copies.append(tree) or (real_copy(
       tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}) if room else None))
   config = tiny_config(train=dict(steps=4, log_every=1))
   with Trainer(config, tmp_path, progress=False) as trainer:

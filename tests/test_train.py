@@ -335,20 +335,23 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
   the copy to the checkpointer) only after it has launched the next step, so the device does
   not wait for the host there (nor for the check's compilation, done at the start); without
   room the save is made before the next step. Either way the checkpoints hold the same state
-  and data position, bit for bit, and the records match."""
+  and data position, bit for bit, and the records match; also where the copy goes to the host a
+  part at a time (`checkpoint.staging_gb`)."""
   from jmoe.checkpoint import Checkpointer, manager
   from jmoe.train import loop
   from jmoe.train.start import saved_part
   real_copy = manager.device_copy
   roomy = lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}
-  config = tiny_config(train=dict(steps=5, log_every=2), checkpoint=dict(every=2, keep=5))
   events, saved, logged = {}, {}, {}
-  for room in (True, False):
+  for room, staging in ((True, 0.0), (False, 0.0), ("staged", 2e-6)):
+    config = tiny_config(train=dict(steps=5, log_every=2),
+                         checkpoint=dict(every=2, keep=5, staging_gb=staging))
     monkeypatch.setattr(manager, "device_copy",
-                        lambda tree: real_copy(tree, roomy) if room else None)
+                        lambda tree, *_: real_copy(tree, roomy) if room else None)
     events[room] = seen = []
     workdir = tmp_path / str(room)
     with loop.Trainer(config, workdir, progress=False) as trainer:
+      assert trainer.checkpointer._staging == staging
       with monkeypatch.context() as m:  # (the saves' finiteness check: compiled at the start)
         m.setattr(jax, "jit", lambda *args, **kwargs: pytest.fail("compiled at the save"))
         assert bool(loop.finite_flag(trainer.state.params))
@@ -361,7 +364,7 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
 
       def recorded(step, *args, copied=False, **kwargs):
         seen.append(("save", step))
-        assert copied == room
+        assert copied == bool(room)
         return save(step, *args, copied=copied, **kwargs)
 
       trainer._step_fn = launched
@@ -388,10 +391,14 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
                           *launch(4, 5), ("read", 4), ("save", 4), ("read", 5)]
   assert events[False] == [*launch(1, 2), ("read", 1), ("read", 2), ("save", 2),
                            *launch(3, 4), ("read", 4), ("save", 4), ("launch", 5), ("read", 5)]
-  assert logged[True] == logged[False] and [r["step"] for r in logged[True]] == [1, 2, 4, 5]
-  for (state, data), (want, want_data) in zip(saved[True], saved[False]):
-    assert data == want_data
+  assert events["staged"] == events[True]
+  assert logged[True] == logged[False] == logged["staged"]
+  assert [r["step"] for r in logged[True]] == [1, 2, 4, 5]
+  for (state, data), (want, want_data), (staged, staged_data) in zip(
+      saved[True], saved[False], saved["staged"]):
+    assert data == want_data == staged_data
     jax.tree.map(np.testing.assert_array_equal, state, want)
+    jax.tree.map(np.testing.assert_array_equal, staged, want)
   assert any(not np.array_equal(a, b) for a, b in zip(*(jax.tree.leaves(state)
                                                          for state, _ in saved[True])))
 
@@ -406,7 +413,7 @@ def test_a_save_from_a_device_copy_outlives_an_error_and_never_holds_non_finite_
   from jmoe.errors import Diverged
   from jmoe.train import loop
   real_copy = manager.device_copy
-  monkeypatch.setattr(manager, "device_copy", lambda tree: real_copy(
+  monkeypatch.setattr(manager, "device_copy", lambda tree, *_: real_copy(
       tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}))
   config = tiny_config(train=dict(steps=8, log_every=1), checkpoint=dict(every=2, keep=5))
   steps = lambda: sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir())

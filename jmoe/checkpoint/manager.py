@@ -10,18 +10,16 @@ the step's peak), `save` returns at once and training goes on while a thread of 
 copies that to the host and Orbax writes it in the background; the next save (or `wait`) waits for
 both. Without room for the copy, or with several processes (Orbax's barriers between them are
 device collectives, which must not run beside a step's), and for a save the caller waits for (a
-run's last), `save` returns once the arrays are on the host. Orbax writes a step in
+run's last), `save` returns once the arrays are on the host (with `checkpoint.staging_gb`, a
+save the caller waits for returns once written, its arrays taken to the host a part at a time,
+as is a save's copy on the devices). Orbax writes a step in
 `<step>.orbax-checkpoint-tmp` and renames it to `<step>` when complete, so a save cut short leaves
 no half-written step behind. A save that fails, in the foreground or the background, removes its
 temporary directory and raises a ConfigError naming the step, the directory and the cause at the
 next `save` or `wait`; a run killed while saving leaves its temporary directory, which the next
 run on the workdir removes (`remove_unfinished`) once it has found everything else in order.
 
-Restoring takes the target shardings from the current run, so the saved arrays land directly in
-this run's placement whatever layout or device count wrote them. A latest checkpoint that cannot
-be read (a truncated or damaged file) is passed over for the previous one; `set_aside_unreadable`
-then moves it to `<workdir>/corrupt_checkpoints/`, once the run has found everything else in
-order.
+Reading and restoring: `CheckpointReader` (jmoe/checkpoint/reader.py), which this extends.
 """
 
 from __future__ import annotations
@@ -30,10 +28,8 @@ import errno
 import logging
 import os
 import pathlib
-import shutil
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -41,9 +37,9 @@ from jax.experimental import multihost_utils
 
 from jmoe.checkpoint import pinned, writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
-                                  remove_tree, require_complete, unfinished_saves)
-from jmoe.checkpoint.snapshot import copy_programs, device_copy
-from jmoe.checkpoint.target import describe_mismatch, with_shardings
+                                  remove_tree, unfinished_saves)
+from jmoe.checkpoint.reader import CheckpointReader
+from jmoe.checkpoint.snapshot import CopyRoom, copy_programs, device_copy
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -54,14 +50,20 @@ log = logging.getLogger("jmoe")
 TRANSFER_LEAD_S = 10.0
 
 
-class Checkpointer:
+class Checkpointer(CheckpointReader):
 
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
                write_threads: int | None = 0, compress_waited: bool = False,
                pinned_transfer: bool | None = None, paced_transfer: bool = False,
-               waited_write_threads: int | None = None, transfer_lead: int = 0):
-    """`pinned_transfer`: whether a save copies the arrays to the host through page-locked
-    memory (None: Orbax's choice, on a GPU yes), else into pageable memory. `paced_transfer`:
+               waited_write_threads: int | None = None, transfer_lead: int = 0,
+               staging_gb: float = 0.0):
+    """`staging_gb` (`checkpoint.staging_gb`): above 0, a save whose state nothing changes while
+    it is written (its own copy on the devices, or one the caller waits for) takes it to the host
+    in parts of at most this many GB (1e9 bytes), each written before the next goes, and
+    page-locked memory is reserved for two parts rather than the whole state; a save beside
+    training without a copy still takes the whole state at once. `pinned_transfer`: whether a
+    save copies the arrays to the host through page-locked memory (None: Orbax's choice, on a
+    GPU yes), else into pageable memory. `paced_transfer`:
     a copy made on the devices goes to page-locked memory one array at a time, each waited for
     (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
     (scripts/save_timeline.py). `waited_write_threads`: the threads of each of TensorStore's
@@ -78,6 +80,8 @@ class Checkpointer:
     self._compress_waited = compress_waited  # (writes beside training are always compressed)
     self._paced = paced_transfer
     self._lead = transfer_lead
+    self._staging = staging_gb
+    self._room = CopyRoom()  # (the devices' peak without this checkpointer's own copies)
     self._go: threading.Event | None = None  # set when the pending transfer may start
     self._launched = 0  # steps launched since the pending save
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
@@ -89,7 +93,8 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.PyTreeCheckpointHandler(
-            save_concurrent_gb=96, enable_pinned_host_transfer=pinned_transfer),
+            save_concurrent_gb=96, enable_pinned_host_transfer=pinned_transfer,
+            save_device_host_concurrent_gb=staging_gb or None),
                        "data": ocp.JsonCheckpointHandler(),
                        "run": ocp.JsonCheckpointHandler()})
     self.unreadable: list[int] = []  # steps restore_latest passed over
@@ -109,9 +114,6 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
-
   def reserve_host_memory(self, state: Any) -> None:
     """Starts reserving the page-locked host memory the saves of `state` will copy into (GPU,
     asynchronous saves in one process), in a thread, and compiling the copy of it on the
@@ -120,7 +122,7 @@ class Checkpointer:
     if not (self._async and jax.process_count() == 1 and jax.default_backend() == "gpu"):
       return
     if pinned.has_pinned_host(state):
-      self._reserving = pinned.reserve_in_thread(state)
+      self._reserving = pinned.reserve_in_thread(state, 2 * self._staging * 1e9 or None)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
               if isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
 
@@ -152,7 +154,12 @@ class Checkpointer:
       return None
     self.wait()
     self.wait_reserved()
-    return device_copy(state)
+    return self._device_copy(state)
+
+  def _device_copy(self, state: Any) -> Any | None:
+    copy = device_copy(state, self._room)
+    self._room.copied |= copy is not None
+    return copy
 
   def save(self, step: int, state: Any, data: dict[str, Any] | None = None,
            run: dict[str, Any] | None = None, *, waited: bool = False,
@@ -162,9 +169,9 @@ class Checkpointer:
     reach the host where the devices have room for a copy of them). A step that is already
     saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
     write takes every core (or `waited_write_threads`) and is compressed only with
-    `compress_waited`; else a write in the background is held to `write_threads` and
-    compressed (jmoe/checkpoint/writer.py). `copied`: `state` is `copy_for_save`'s copy, taken
-    to the host and written beside training.
+    `compress_waited`, and with `staging_gb` it returns once written; else a write in the
+    background is held to `write_threads` and compressed (jmoe/checkpoint/writer.py).
+    `copied`: `state` is `copy_for_save`'s copy, taken to the host and written beside training.
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
     if step in self._manager.all_steps():
       return
@@ -178,9 +185,11 @@ class Checkpointer:
     if copied:
       copy = state
     else:
-      copy = device_copy(state) if beside and jax.process_count() == 1 else None
+      copy = self._device_copy(state) if beside and jax.process_count() == 1 else None
+    # (a state nothing changes while it is written may go to the host in parts)
+    staged = bool(self._staging) and (copy is not None or not beside)
     writing = dict(threads=self._write_threads if beside else self._waited_threads,
-                   compressed=beside or self._compress_waited)
+                   compressed=beside or self._compress_waited, staged=staged)
     use_array_writer(**writing)
     if beside and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
@@ -198,6 +207,8 @@ class Checkpointer:
         self._start(step, state, items)
       except Exception as e:  # noqa: BLE001 - whatever the file system says, named in one line
         raise self._failed(step, e) from None
+      if staged:  # (the state is read as the write goes on: done before the caller goes on)
+        self.wait()
       return
     self._thread_error = None
     self._go, self._launched = (threading.Event() if self._lead else None), 0
@@ -279,100 +290,6 @@ class Checkpointer:
     path = self.directory / f"{step}{UNFINISHED}"
     why = remove_tree(path)
     return f"; its partial files in {path} could not be removed ({why}): delete them" if why else ""
-
-  def run_record(self, step: int) -> dict[str, Any] | None:
-    """What the checkpoint of `step` recorded for a resume to check (`save`'s `run`), or None
-    when it recorded nothing."""
-    if not (self.directory / str(step) / "run").is_dir():
-      return None
-    return dict(self._manager.restore(step, args=ocp.args.Composite(
-        run=ocp.args.JsonRestore())).run or {})
-
-  def restore(self, step: int, abstract_state: Any, shardings: Any
-              ) -> tuple[Any, dict[str, Any]]:
-    """The train state of `step`, placed by `shardings`, and its data position."""
-    require_complete(self.directory / str(step) / "state")
-    self._check_matches(step, abstract_state)
-    target = with_shardings(abstract_state, shardings)
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.
-                                     construct_restore_args(target)),
-        data=ocp.args.JsonRestore()))
-    return restored.state, dict(restored.data or {})
-
-  @property
-  def aside(self) -> pathlib.Path:
-    """Where unreadable checkpoints are moved."""
-    return self.directory.parent / "corrupt_checkpoints"
-
-  def restore_latest(self, abstract_state: Any, shardings: Any,
-                     check: Callable[[int], None] | None = None
-                     ) -> tuple[int, Any, dict[str, Any]] | None:
-    """The newest readable checkpoint as (step, state, data position), or None when the
-    workdir never had one. Unreadable ones are reported and passed over (listed in
-    `unreadable`; nothing is moved here); a checkpoint of another model (different shapes, or
-    one that `check(step)`, run before its arrays are read, refuses with a ConfigError) is an
-    error, since no older one would fit either. When none can be read (now, or when an earlier
-    run moved them aside) that is an error too: a run never starts over silently where one had
-    progress."""
-    steps = self.all_steps()
-    self.unreadable = []
-    for step in reversed(steps):
-      try:
-        if check is not None:
-          check(step)
-        state, data = self.restore(step, abstract_state, shardings)
-      except ConfigError:
-        raise
-      except Exception as e:  # noqa: BLE001 - any read failure means this step is damaged
-        log.warning("checkpoint %s cannot be read (%s: %s); trying the one before it",
-                    self.directory / str(step), type(e).__name__,
-                    str(e).splitlines()[0][:300] if str(e) else "")
-        self.unreadable.append(step)
-        continue
-      return step, state, data
-    moved = sorted(p.name for p in self.aside.iterdir()) if self.aside.is_dir() else []
-    if steps or moved:
-      found = f" (steps {steps})" if steps else ""
-      if moved:
-        found += f"; the unreadable ones of earlier runs are in {self.aside} ({', '.join(moved)})"
-      delete = " and ".join(str(p) for p, has in ((self.directory, steps), (self.aside, moved))
-                            if has)
-      raise ConfigError(
-          f"no checkpoint in {self.directory} can be read{found}. To start this workdir over "
-          f"from step 0, delete {delete} (and {self.directory.parent / 'metrics.jsonl'} if its "
-          f"history should go too), or give another --workdir")
-    return None
-
-  def _check_matches(self, step: int, abstract_state: Any) -> None:
-    try:
-      saved = self._manager.item_metadata(step).state
-    except Exception:  # noqa: BLE001 - unreadable metadata: left to restore to report
-      return
-    if saved is None:
-      return
-    problem = describe_mismatch(saved, abstract_state)
-    if problem:
-      raise ConfigError(
-          f"the checkpoint {self.directory / str(step)} was saved by a different model or "
-          f"optimizer: {problem}. Resume with the config it was saved with (its workdir's "
-          f"config.json), or start in a new --workdir; to start from its parameters only, use "
-          f"--config.checkpoint.load_params")
-
-  def set_aside_unreadable(self) -> None:
-    """Moves the checkpoints `restore_latest` passed over to `aside` (kept for inspection): a
-    run that goes on must not have them among its steps."""
-    for step in self.unreadable:
-      aside = self.aside / f"{step}-{int(time.time())}"
-      log.warning("moving the unreadable checkpoint %s to %s", self.directory / str(step), aside)
-      if jax.process_index() == 0:
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(self.directory / str(step)), str(aside))
-      if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"jmoe_set_aside_{step}")
-    if self.unreadable:
-      self._manager.reload()
-    self.unreadable = []
 
   def remove_unfinished(self) -> None:
     """Removes the temporary directories of saves that never finished (a run killed while

@@ -32,15 +32,18 @@ def has_pinned_host(tree: Any) -> bool:
       any(m.kind == PINNED for m in d.addressable_memories()) for d in devices)
 
 
-def reserve(tree: Any) -> None:
+def reserve(tree: Any, limit: float | None = None) -> None:
   """Allocates page-locked host arrays of the shapes, dtypes and shardings of `tree`'s arrays
   (jax.Arrays or ShapeDtypeStructs), then frees them (the allocator keeps the memory): zeros made
-  on the devices, one array at a time, are what is copied."""
+  on the devices, one array at a time, are what is copied. `limit`: the arrays in order until
+  they reach this many bytes (None: all)."""
   started = time.perf_counter()
   held, nbytes = [], 0
   for x in jax.tree.leaves(tree):
     if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
       continue
+    if limit is not None and nbytes >= limit:
+      break
     zeros = jnp.zeros(x.shape, x.dtype, device=x.sharding)
     held.append(jax.device_put(zeros, x.sharding.with_memory_kind(PINNED)))
     held[-1].block_until_ready()
@@ -67,8 +70,8 @@ def put_in_turn(tree: Any) -> Any:
   return jax.tree.map(one, tree)
 
 
-def reserve_in_thread(tree: Any) -> threading.Thread:
-  """`reserve` for `tree`'s arrays in a daemon thread, started. Only their shapes and placement
+def reserve_in_thread(tree: Any, limit: float | None = None) -> threading.Thread:
+  """`reserve(tree, limit)` in a daemon thread, started. Only their shapes and placement
   are taken (here, before it starts), so the arrays may be donated meanwhile. A failure only
   loses the head start: the first save allocates as it would have."""
   abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -76,7 +79,7 @@ def reserve_in_thread(tree: Any) -> threading.Thread:
 
   def run():
     try:
-      reserve(abstract)
+      reserve(abstract, limit)
     except Exception as e:  # noqa: BLE001 - an optimisation; the save works without it
       log.debug("checkpoints: reserving page-locked host memory failed: %s", e)
 

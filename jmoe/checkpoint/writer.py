@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from orbax.checkpoint._src.serialization.types import TransferPriority
 
 from jmoe.ops.params import LAYER_AXES
 
@@ -85,23 +86,54 @@ def write_threads(setting: int | None) -> int | None:
   return max(1, (host_cores() - 2) // 2)
 
 
-def use_array_writer(threads: int | None = None, *, compressed: bool = True) -> None:
+def use_array_writer(threads: int | None = None, *, compressed: bool = True,
+                     staged: bool = False) -> None:
   """Registers jmoe's writer of jax.Arrays with Orbax: `ArrayWriter` with
-  `write_threads(threads)` and `compressed`, and with replicas, each process holding one writes
-  a share (`use_replica_parallel`) only when there are several processes. Within one process
-  the shares would only cost a compiled slice of every replicated array at the first save
-  (Orbax's default shares everywhere but on a platform named "gpu" or "cuda" in JAX_PLATFORMS)."""
-  _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed)
+  `write_threads(threads)`, `compressed` and `staged`, and with replicas, each process holding
+  one writes a share (`use_replica_parallel`) only when there are several processes. Within one
+  process the shares would only cost a compiled slice of every replicated array at the first
+  save (Orbax's default shares everywhere but on a platform named "gpu" or "cuda" in
+  JAX_PLATFORMS)."""
+  _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed, staged)
+
+
+class TransferOrder:
+  """When a save's arrays go to the host (Orbax's serialization callback): all of them before
+  Orbax's `save` returns, or, `staged` (with a byte limit on the handler,
+  `save_device_host_concurrent_gb`), in parts of at most that many bytes once `save` has
+  returned, each part written before the next goes: for states nothing changes while they are
+  written (a save's own copy on the devices, or a save the caller waits for)."""
+
+  def __init__(self, staged: bool):
+    self.staged = staged
+
+  def key_priority(self, keypath) -> TransferPriority:
+    return (TransferPriority.ASYNCHRONOUS_DEPRIORITIZED if self.staged else
+            TransferPriority.SYNCHRONOUS)
+
+  def on_transfer_start(self, keypath) -> None:
+    pass
+
+  def on_transfer_end(self, keypath) -> None:
+    pass
+
+  def on_write_start(self, keypath) -> None:
+    pass
+
+  def on_write_end(self, keypath) -> None:
+    pass
 
 
 class ArrayWriter(ocp.type_handlers.ArrayHandler):
   """Orbax's writer of jax.Arrays with each of TensorStore's pools held to `threads` (None:
   TensorStore's own), and without zstd unless `compressed`. The jax.Arrays of a save share one
   TensorStore context (so one OCDBT database per process and step, as with Orbax's own writer):
-  jmoe's train states hold jax.Arrays only, and its saves run one at a time."""
+  jmoe's train states hold jax.Arrays only, and its saves run one at a time. `staged`: the
+  arrays go to the host in parts as the write goes on (`TransferOrder`)."""
 
-  def __init__(self, *, threads: int | None, compressed: bool = True, **kwargs):
-    super().__init__(**kwargs)
+  def __init__(self, *, threads: int | None, compressed: bool = True, staged: bool = False,
+               **kwargs):
+    super().__init__(callback=TransferOrder(staged), **kwargs)
     self.threads = threads
     self.compressed = compressed
     self._context = None  # (Orbax's context for the last save's arrays, the bounded one)
@@ -119,20 +151,21 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
     return await super().serialize(values, infos, args)
 
 
-_registered: tuple[bool, int | None, bool] | None = None  # the writer's settings, once registered
+_registered: tuple | None = None  # the writer's settings, once registered
 
 
-def _register_array_writer(shared: bool, threads: int | None, compressed: bool) -> None:
+def _register_array_writer(shared: bool, threads: int | None, compressed: bool,
+                           staged: bool) -> None:
   global _registered
-  if _registered == (shared, threads, compressed):
+  if _registered == (shared, threads, compressed, staged):
     return
   absl_log = logging.getLogger("absl")
   level = absl_log.level
   absl_log.setLevel(logging.ERROR)  # (Orbax warns that its own writer is replaced)
   try:
     ocp.type_handlers.register_type_handler(
-        jax.Array, ArrayWriter(threads=threads, compressed=compressed,
+        jax.Array, ArrayWriter(threads=threads, compressed=compressed, staged=staged,
                                use_replica_parallel=shared), override=True)
-    _registered = (shared, threads, compressed)
+    _registered = (shared, threads, compressed, staged)
   finally:
     absl_log.setLevel(level)

@@ -270,6 +270,12 @@ class CheckpointConfig:
   # written uncompressed, its wait the shorter (3.9 against 6.3 s for a 31.3 GiB state), unless
   # this is set: then it takes 28% less room on disk. Saves in the background are compressed.
   compress_waited: bool = False
+  # Above 0: a save whose state nothing changes while it is written (the run's last, and saves
+  # beside training from the state's copy on the devices) takes it to the host in parts of at
+  # most this many GB, each written before the next goes, so that host memory holds two parts
+  # rather than the whole state beside the checkpoints (page-locked memory reserved for two parts).
+  # A save beside training without room for a copy still takes the whole state at once.
+  staging_gb: float = 0.0
   # A model checkpoint or training workdir whose model variables (not optimizer state or step)
   # start this run; used only when the workdir has no checkpoint of its own yet.
   load_params: str = ""

@@ -127,6 +127,7 @@ RANGES = {
     "checkpoint.every": Range("[0, INT]", "0: only the final save"),
     "checkpoint.keep": Range("[1, INT]"),
     "checkpoint.write_threads": Range("[0, INT]", "0: half the process's cores less one"),
+    "checkpoint.staging_gb": Range("[0, inf)", "0: the whole state at once"),
     "lora.rank": Range("[0, INT]", "0: no adapters"), "lora.alpha": Range("(0, inf)"),
 }
 

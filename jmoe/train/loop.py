@@ -105,7 +105,8 @@ class Trainer:
     self.checkpointer = Checkpointer(workdir / "checkpoints", keep=config.checkpoint.keep,
                                      async_save=config.checkpoint.async_save,
                                      write_threads=config.checkpoint.write_threads,
-                                     compress_waited=config.checkpoint.compress_waited)
+                                     compress_waited=config.checkpoint.compress_waited,
+                                     staging_gb=config.checkpoint.staging_gb)
     try:
       self.step, self.state, data_state = initial_state(config, spec, self.checkpointer)
       self._record = run_record(config, self.state)
