@@ -422,6 +422,56 @@ def test_the_room_for_a_copy_leaves_out_the_copies_made_before(monkeypatch):
   checkpointer.close()
 
 
+def test_old_steps_are_removed_by_several_threads(tmp_path, monkeypatch):
+  """A step past `keep` is removed by jmoe's `StepRemover` in Orbax's place: its files (a
+  checkpoint's data files share one directory) unlinked by several threads, `write_threads`
+  after a save beside training and every core after one the caller waits for; files already
+  gone are no failure, a file that cannot go is named."""
+  import threading
+  from jmoe.checkpoint import remover, writer
+  tree = tmp_path / "step"
+  (tree / "d").mkdir(parents=True)
+  for i in range(40):
+    (tree / "d" / f"{i}").write_bytes(b"x" * 100)
+  (tree / "meta").write_text("{}")
+  unlink, seen = remover.os.unlink, set()
+
+  def slow_unlink(path, **how):  # (the directories' own rmtree passes `dir_fd`)
+    if not how:
+      seen.add(threading.get_ident())
+      time.sleep(0.005)
+    unlink(path, **how)
+
+  monkeypatch.setattr(remover.os, "unlink", slow_unlink)
+  remover.remove_in_parallel(tree, 4)
+  assert not tree.exists() and 2 <= len(seen) <= 4
+  (tree / "d").mkdir(parents=True)
+  (tree / "d" / "gone").write_text("")
+  (tree / "d" / "stays").write_text("")
+  monkeypatch.setattr(remover.os, "unlink", lambda path, **how: unlink(path, **how) if how else
+                      (_ for _ in ()).throw(FileNotFoundError(2, "gone") if path.endswith("gone")
+                                            else PermissionError(13, "denied")))
+  with pytest.raises(OSError, match=r"removing .*step failed: .*stays: denied"):
+    remover.remove_in_parallel(tree, 2)
+  monkeypatch.setattr(remover.os, "unlink", unlink)
+
+  removed = []
+  real = remover.remove_in_parallel
+  monkeypatch.setattr(remover, "remove_in_parallel",
+                      lambda path, threads: removed.append((path.name, threads)) or real(path,
+                                                                                        threads))
+  monkeypatch.setattr(writer, "host_cores", lambda: 16)
+  checkpointer = Checkpointer(tmp_path / "c", keep=1, write_threads=3)
+  assert isinstance(checkpointer._manager._checkpoint_deleter, remover.StepRemover)
+  state = {"w": jax.numpy.ones((4, 8))}
+  for step, waited in ((1, False), (2, False), (3, True)):
+    checkpointer.save(step, state, waited=waited)
+    checkpointer.wait()
+  assert removed == [("1", 3), ("2", 16)]
+  assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["3"]
+  checkpointer.close()
+
+
 def test_page_locked_memory_is_reserved_up_to_a_limit(monkeypatch):
   """`pinned.reserve` allocates the state's arrays in order, all of them or, with a limit, until
   they reach it (a staged save's two parts)."""

@@ -39,6 +39,7 @@ from jmoe.checkpoint import pinned, writer
 from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remove_settled,
                                   remove_tree, unfinished_saves)
 from jmoe.checkpoint.reader import CheckpointReader
+from jmoe.checkpoint.remover import use_step_remover
 from jmoe.checkpoint.snapshot import CopyRoom, copy_programs, device_copy
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
@@ -97,6 +98,8 @@ class Checkpointer(CheckpointReader):
             save_device_host_concurrent_gb=staging_gb or None),
                        "data": ocp.JsonCheckpointHandler(),
                        "run": ocp.JsonCheckpointHandler()})
+    # (old steps removed by several threads: Orbax's deleter gave their data files one)
+    self._remover = use_step_remover(self._manager, writer.write_threads(write_threads))
     self.unreadable: list[int] = []  # steps restore_latest passed over
     self._pending: int | None = None  # the step whose write may still be under way
     self._broken = False  # a save failed
@@ -178,6 +181,9 @@ class Checkpointer(CheckpointReader):
     self.wait()
     self.wait_reserved()  # (long done, unless the first save comes within seconds)
     beside = self._async and not waited  # (training goes on while this save is written)
+    if self._remover is not None:  # (the step past `keep`, removed once this one is written)
+      self._remover.threads = (writer.write_threads(self._write_threads) if beside else
+                               writer.host_cores())
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there. A
     # save the caller waits for takes the state to the host as it is (a copy would only cost
