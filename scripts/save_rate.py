@@ -12,8 +12,8 @@ memory was reserved beforehand (page-locked on a GPU), `save(waited=True)`, unco
 `wait`; timed in two parts, the copy to the host (`to_host_s`, until `save` returns) and the
 write (`write_s`). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
 reached also removes the oldest step, in the save's time); each saved step is then removed and
-timed (`removed`: its files unlinked by as many threads as Orbax removes old steps with, then
-by one thread, alternately: on tmpfs, freeing the pages is most of it). `--file-mib`:
+timed (`removed`: its files unlinked by half the cores, then by one thread, alternately, as
+jmoe's StepRemover unlinks them: on tmpfs, freeing the pages is most of it). `--file-mib`:
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
 threads of each of TensorStore's two pools for the save (`default`: TensorStore's own, as jmoe's
 waited saves take); `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at
@@ -191,8 +191,8 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
 
 
 def removals(d: pathlib.Path, repeats: int) -> list[dict]:
-  """Each saved step in `d` removed and timed: by as many threads as Orbax's removal of old steps
-  takes on this host (half its cores, at most 16), then by one, alternately."""
+  """Each saved step in `d` removed and timed: by half this host's cores (at most 16), then by
+  one, alternately."""
   from jmoe.checkpoint.writer import host_cores
   out = []
   for repeat in range(repeats):
@@ -209,13 +209,11 @@ def on_disk(directory: pathlib.Path) -> int:
 
 
 def remove(directory: pathlib.Path, threads: int) -> float:
-  """Seconds to remove `directory`: its files unlinked by `threads` threads, then the rest."""
-  import concurrent.futures
+  """Seconds to remove `directory` as jmoe removes an old step: its files unlinked by `threads`
+  threads, then the rest (jmoe/checkpoint/remover.py)."""
+  from jmoe.checkpoint.remover import remove_in_parallel
   started = time.perf_counter()
-  files = [p for p in directory.rglob("*") if p.is_file()]
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-    list(pool.map(pathlib.Path.unlink, files))
-  shutil.rmtree(directory)
+  remove_in_parallel(directory, threads)
   return time.perf_counter() - started
 
 
