@@ -394,6 +394,12 @@ def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, mo
       np.testing.assert_array_equal(restored[name], array)
   for checkpointer in (staged, plain):
     checkpointer.close()
+  monkeypatch.setattr(writer, "TransferPriority", None)  # (an Orbax without them)
+  with pytest.raises(ConfigError, match=r"checkpoint.staging_gb=2 needs the transfer priorities "
+                                        r"of orbax-checkpoint 0.12.*set it to 0"):
+    Checkpointer(tmp_path / "n", keep=1, staging_gb=2)
+  Checkpointer(tmp_path / "n", keep=1).close()
+  assert not (tmp_path / "n").exists()
 
 
 def test_the_room_for_a_copy_leaves_out_the_copies_made_before(monkeypatch):
@@ -470,6 +476,10 @@ def test_old_steps_are_removed_by_several_threads(tmp_path, monkeypatch):
   assert removed == [("1", 3), ("2", 16)]
   assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["3"]
   checkpointer.close()
+  monkeypatch.setattr(remover, "deleter", None)  # (an Orbax without that deleter: its own stays)
+  own = Checkpointer(tmp_path / "o", keep=1)
+  assert not isinstance(own._manager._checkpoint_deleter, remover.StepRemover)
+  own.close()
 
 
 def test_page_locked_memory_is_reserved_up_to_a_limit(monkeypatch):

@@ -81,6 +81,10 @@ class Checkpointer(CheckpointReader):
     self._compress_waited = compress_waited  # (writes beside training are always compressed)
     self._paced = paced_transfer
     self._lead = transfer_lead
+    if staging_gb and writer.TransferPriority is None:
+      raise ConfigError(f"checkpoint.staging_gb={staging_gb:g} needs the transfer priorities of "
+                        f"orbax-checkpoint 0.12, which this Orbax ({ocp.__version__}) lacks: set "
+                        f"it to 0, or install orbax-checkpoint 0.12")
     self._staging = staging_gb
     self._room = CopyRoom()  # (the devices' peak without this checkpointer's own copies)
     self._go: threading.Event | None = None  # set when the pending transfer may start

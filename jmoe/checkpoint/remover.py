@@ -16,7 +16,11 @@ import os
 import pathlib
 
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path import deleter
+
+try:  # (Orbax's internals: where they move, old steps are removed Orbax's own way)
+  from orbax.checkpoint._src.path import deleter
+except ImportError:  # pragma: no cover - another Orbax
+  deleter = None
 
 from jmoe.checkpoint.disk import remove_tree
 
@@ -44,7 +48,7 @@ def remove_in_parallel(path: pathlib.Path, threads: int) -> None:
     raise OSError(f"removing {path} failed: {(failed or [why])[0]}")
 
 
-class StepRemover(deleter.StandardCheckpointDeleter):
+class StepRemover(deleter.StandardCheckpointDeleter if deleter else object):
   """Orbax's deleter of old steps (on the primary process, steps found by Orbax's own name
   format) with `remove_in_parallel` taking `threads` threads."""
 
@@ -61,7 +65,7 @@ def use_step_remover(manager: ocp.CheckpointManager, threads: int) -> StepRemove
   """Gives `manager` a `StepRemover` in place of its own deleter (Orbax's private
   `_checkpoint_deleter`, its standard kind), or None where it has another: that one then stays."""
   own = getattr(manager, "_checkpoint_deleter", None)
-  if type(own) is not deleter.StandardCheckpointDeleter:
+  if deleter is None or type(own) is not deleter.StandardCheckpointDeleter:
     log.debug("checkpoints: Orbax's deleter is a %s; old steps are removed its way",
               type(own).__name__)
     return None
