@@ -17,7 +17,7 @@ jmoe's StepRemover unlinks them: on tmpfs, freeing the pages is most of it). `--
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
 threads of each of TensorStore's two pools for the save (`default`: TensorStore's own, as jmoe's
 waited saves take); `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at
-once; above 0, parts of that many GB, each written before the next goes, and `save` returns
+once; above 0, parts of that many GB, each taken while the one before is written, and `save` returns
 written: `to_host_s` then holds the whole save). First, for each directory and file size, the
 same bytes, fetched to the host beforehand, are written as plain files of that size by each of
 `--raw-threads` threads (0: one per core) and removed (`raw_gb_per_s`: what the file system and

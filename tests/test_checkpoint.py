@@ -352,19 +352,29 @@ def test_a_saves_transfer_waits_for_the_loops_lead_of_steps(tmp_path, monkeypatc
 def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, monkeypatch):
   """With `staging_gb`, a save whose state nothing changes while it is written (the caller waits
   for it, or it is the save's own copy on the devices) takes the arrays to the host in parts of
-  at most that many bytes, each written before the next goes (here one array a part), and one the
+  at most that many bytes (here one array a part), each part while the one before is written
+  and only once the one before that is written (two parts on the host at most), and one the
   caller waits for returns written; a save beside training without a copy still takes every
   array to the host before it returns (the next step may overwrite them). All read back whole."""
+  import asyncio
   from jmoe.checkpoint import manager, writer
   events = []
   monkeypatch.setattr(writer.TransferOrder, "on_transfer_end",
                       lambda self, key: events.append(("to host", jax.tree_util.keystr(key))))
   monkeypatch.setattr(writer.TransferOrder, "on_write_end",
                       lambda self, key: events.append(("written", jax.tree_util.keystr(key))))
+  write_part = writer.orbax_arrays._async_serialize_replica_slices
+
+  async def slow_write(*args, **kwargs):  # (a part's write outlasts the next part's transfer)
+    await asyncio.sleep(0.3)
+    return await write_part(*args, **kwargs)
+
+  monkeypatch.setattr(writer.orbax_arrays, "_async_serialize_replica_slices", slow_write)
   values = {f"w{i}": np.full((8, 64), i, np.float32) for i in range(3)}  # 2 KiB each
   state = jax.tree.map(jax.numpy.asarray, values)
   keys = [f"['{name}']" for name in values]
-  one_by_one = [(what, key) for key in keys for what in ("to host", "written")]
+  one_by_one = [("to host", keys[0]), ("to host", keys[1]), ("written", keys[0]),
+                ("to host", keys[2]), ("written", keys[1]), ("written", keys[2])]
   all_first = [("to host", key) for key in keys] + [("written", key) for key in keys]
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
   real_copy = manager.device_copy

@@ -60,7 +60,7 @@ class Checkpointer(CheckpointReader):
                staging_gb: float = 0.0):
     """`staging_gb` (`checkpoint.staging_gb`): above 0, a save whose state nothing changes while
     it is written (its own copy on the devices, or one the caller waits for) takes it to the host
-    in parts of at most this many GB (1e9 bytes), each written before the next goes, and
+    in parts of at most this many GB (1e9 bytes), each taken while the one before is written, and
     page-locked memory is reserved for two parts rather than the whole state; a save beside
     training without a copy still takes the whole state at once. `pinned_transfer`: whether a
     save copies the arrays to the host through page-locked memory (None: Orbax's choice, on a

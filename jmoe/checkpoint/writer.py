@@ -23,6 +23,8 @@ steps written either way share one directory.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -36,6 +38,15 @@ try:  # (Orbax's internals, for staged saves: `checkpoint.staging_gb` needs them
   from orbax.checkpoint._src.serialization.types import TransferPriority
 except ImportError:  # pragma: no cover - another Orbax
   TransferPriority = None
+try:  # (and for writing a staged save's part beside the next part's transfer)
+  from orbax.checkpoint._src.futures import future as orbax_future
+  from orbax.checkpoint._src.serialization import jax_array_handlers as orbax_arrays
+  from orbax.checkpoint._src.serialization import limits as orbax_limits
+  from orbax.checkpoint._src.serialization import replica_slices as orbax_slices
+  from orbax.checkpoint._src.serialization import types as orbax_types
+  from orbax.checkpoint._src.serialization import worker_memory_utils as orbax_budget
+except ImportError:  # pragma: no cover - another Orbax: its parts go one after another
+  orbax_arrays = None
 
 from jmoe.ops.params import LAYER_AXES
 
@@ -105,8 +116,9 @@ class TransferOrder:
   """When a save's arrays go to the host (Orbax's serialization callback): all of them before
   Orbax's `save` returns, or, `staged` (with a byte limit on the handler,
   `save_device_host_concurrent_gb`), in parts of at most that many bytes once `save` has
-  returned, each part written before the next goes: for states nothing changes while they are
-  written (a save's own copy on the devices, or a save the caller waits for)."""
+  returned, two parts on the host at most (`ArrayWriter._write_in_parts`): for states nothing
+  changes while they are written (a save's own copy on the devices, or a save the caller waits
+  for)."""
 
   def __init__(self, staged: bool):
     self.staged = staged
@@ -133,13 +145,17 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
   TensorStore's own), and without zstd unless `compressed`. The jax.Arrays of a save share one
   TensorStore context (so one OCDBT database per process and step, as with Orbax's own writer):
   jmoe's train states hold jax.Arrays only, and its saves run one at a time. `staged`: the
-  arrays go to the host in parts as the write goes on (`TransferOrder`)."""
+  arrays go to the host in parts as the write goes on (`TransferOrder`), each part's transfer
+  beside the write of the part before (`_write_in_parts`), so at most two parts are on the host
+  at once: Orbax's own loop transfers a part only once the one before is written, and the
+  devices' copy engine and the host's writer threads took turns."""
 
   def __init__(self, *, threads: int | None, compressed: bool = True, staged: bool = False,
                **kwargs):
     super().__init__(callback=TransferOrder(staged), **kwargs)
     self.threads = threads
     self.compressed = compressed
+    self.staged = staged
     self._context = None  # (Orbax's context for the last save's arrays, the bounded one)
 
   async def serialize(self, values, infos, args=None):
@@ -152,7 +168,70 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
             use_ocdbt=bool(info.is_ocdbt_checkpoint), file_io_concurrency_limit=self.threads,
             data_copy_concurrency_limit=self.threads))
       info.ts_context = context[1]
-    return await super().serialize(values, infos, args)
+    part_bytes = self._part_bytes(values, infos)
+    if part_bytes is None:
+      return await super().serialize(values, infos, args)
+    args = args or [ocp.SaveArgs()] * len(values)
+    orbax_types.check_input_arguments(values, infos, args)
+    orbax_arrays.check_array_values(values, infos, raise_error=True)
+    futures = []
+    if self._enable_write_sharding_file:
+      futures.append(orbax_future.CommitFutureAwaitingContractedSignals(
+          orbax_arrays._async_serialize_shardings(  # noqa: SLF001 - see the imports
+              [value.sharding for value in values], infos, primary_host=self._primary_host),
+          name="serialize_shardings"))
+    futures.append(orbax_future.CommitFutureAwaitingContractedSignals(
+        self._write_in_parts(values, infos, args, part_bytes), name="array_type_handler"))
+    return futures
+
+  def _part_bytes(self, values, infos) -> int | None:
+    """The most bytes of a part when this save's arrays go to the host in parts, each beside the
+    write of the one before; None where Orbax writes them (not staged, another Orbax, a
+    dispatcher, random keys, which Orbax's writer stores with metadata of their own)."""
+    limiter = infos[0].device_host_byte_limiter if infos else None
+    if (not self.staged or orbax_arrays is None or self.has_dispatcher()
+        or not isinstance(limiter, orbax_limits.LimitInFlightBytes)
+        or any(jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) for value in values)):
+      return None
+    return limiter.max_bytes
+
+  async def _write_in_parts(self, arrays, infos, args, part_bytes: int) -> None:
+    """Takes the arrays to the host in parts of at most `part_bytes` (Orbax's budget per
+    process), in their order, and writes each part while the next one is taken: a part is
+    taken only once the one before the last is written."""
+    to_host = functools.partial(
+        orbax_slices.transfer_arrays_to_host, replica_id=self._replica_id,
+        use_replica_parallel=self._use_replica_parallel,
+        min_slice_bytes_for_replica_parallel=self._min_slice_bytes_for_replica_parallel,
+        max_replicas_for_replica_parallel=self._max_replicas_for_replica_parallel,
+        enable_pinned_host_transfer=infos[0].enable_pinned_host_transfer)
+    parts = orbax_budget.next_memory_budgeted_batch(
+        list(zip(arrays, infos, args)), part_bytes,
+        replica_id=None if self._use_replica_parallel else self._replica_id, dispatcher=None)
+    writing = None
+    try:
+      for part in parts:
+        part_arrays, part_infos, part_args = zip(*part)
+        on_host = await asyncio.to_thread(to_host, part_arrays)
+        for info in part_infos:
+          self._callback.on_transfer_end(info.keypath)
+        if writing is not None:
+          await writing
+        writing = asyncio.ensure_future(self._write_part(on_host, part_infos, part_args))
+      if writing is not None:
+        await writing
+    finally:
+      if writing is not None and not writing.done():
+        writing.cancel()
+
+  async def _write_part(self, on_host, infos, args) -> None:
+    await orbax_arrays._async_serialize_replica_slices(  # noqa: SLF001 - see the imports
+        on_host, infos, args, primary_host=self._primary_host, metadata_key=self._metadata_key,
+        array_metadata_store=self._array_metadata_store,
+        enable_replica_parallel_separate_folder=self._enable_replica_parallel_separate_folder,
+        use_replica_parallel=self._use_replica_parallel, ext_metadata={})
+    for info in infos:
+      self._callback.on_write_end(info.keypath)
 
 
 _registered: tuple | None = None  # the writer's settings, once registered

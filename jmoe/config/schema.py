@@ -272,8 +272,8 @@ class CheckpointConfig:
   compress_waited: bool = False
   # Above 0: a save whose state nothing changes while it is written (the run's last, and saves
   # beside training from the state's copy on the devices) takes it to the host in parts of at
-  # most this many GB, each written before the next goes, so that host memory holds two parts
-  # rather than the whole state beside the checkpoints (page-locked memory reserved for two parts).
+  # most this many GB, each taken while the one before is written, so that host memory holds two
+  # parts rather than the whole state beside the checkpoints (page-locked memory reserved for two).
   # A save beside training without room for a copy still takes the whole state at once.
   staging_gb: float = 0.0
   # A model checkpoint or training workdir whose model variables (not optimizer state or step)
