@@ -2174,6 +2174,9 @@ def full_disk_run(tmp_path, workdir, overrides, **env) -> tuple[Result, dict[str
                  id="in the background, the save on SIGTERM"),
     pytest.param(["--config.train.steps=3", "--config.checkpoint.every=2"], dict(BREAK_AT="3"),
                  2, id="in the foreground, the final save"),
+    pytest.param(["--config.train.steps=3", "--config.checkpoint.every=2",
+                  "--config.checkpoint.staging_gb=0.00002"], dict(BREAK_AT="3"), 2,
+                 id="in the foreground, the final save, staged (a part written beside the next)"),
 ])
 def test_a_save_that_fails_part_way_removes_what_it_wrote(tmp_path, overrides, env, kept):
   """A save that fails part way (a full disk) removes its own partial files, and only those: the
