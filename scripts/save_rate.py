@@ -15,10 +15,11 @@ reached also removes the oldest step, in the save's time); each saved step is th
 timed (`removed`: its files unlinked by half the cores, then by one thread, alternately, as
 jmoe's StepRemover unlinks them: on tmpfs, freeing the pages is most of it). `--file-mib`:
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
-threads of each of TensorStore's two pools for the save (`default`: TensorStore's own, as jmoe's
-waited saves take); `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at
-once; above 0, parts of that many GB, each taken while the one before is written, and `save` returns
-written: `to_host_s` then holds the whole save). First, for each directory and file size, the
+threads of each of TensorStore's two pools for the save (`default`: jmoe's for the saves a run
+waits for, two per core; TensorStore's own pools take one copying thread per core);
+`--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at once; above 0, parts
+of that many GB, each taken while the one before is written, and `save` returns written:
+`to_host_s` then holds the whole save). First, for each directory and file size, the
 same bytes, fetched to the host beforehand, are written as plain files of that size by each of
 `--raw-threads` threads (0: one per core) and removed (`raw_gb_per_s`: what the file system and
 the host's memory allow); that host copy is let go before the saves. Until 2026-12-06 the save
@@ -170,7 +171,7 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
           ) -> list[dict]:
   """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
   from jmoe.checkpoint import Checkpointer
-  checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads,
+  checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads or 0,
                               staging_gb=staging_gb)
   out = []
   try:

@@ -56,7 +56,7 @@ class Checkpointer(CheckpointReader):
   def __init__(self, directory: str | pathlib.Path, keep: int, *, async_save: bool = True,
                write_threads: int | None = 0, compress_waited: bool = False,
                pinned_transfer: bool | None = None, paced_transfer: bool = False,
-               waited_write_threads: int | None = None, transfer_lead: int = 0,
+               waited_write_threads: int | None = 0, transfer_lead: int = 0,
                staging_gb: float = 0.0):
     """`staging_gb` (`checkpoint.staging_gb`): above 0, a save whose state nothing changes while
     it is written (its own copy on the devices, or one the caller waits for) takes it to the host
@@ -68,7 +68,8 @@ class Checkpointer(CheckpointReader):
     a copy made on the devices goes to page-locked memory one array at a time, each waited for
     (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
     (scripts/save_timeline.py). `waited_write_threads`: the threads of each of TensorStore's
-    pools for a save the caller waits for (None: TensorStore's own; scripts/save_rate.py).
+    pools for a save the caller waits for (0: two per core, writer.waited_threads; None:
+    TensorStore's own; scripts/save_rate.py).
     `transfer_lead`: a save whose state was copied on the devices starts taking the copy to
     the host once the loop has launched this many steps after it (`stepped`), so that the
     device has them queued while the transfer holds up the launch of the next ones (or after
@@ -175,7 +176,7 @@ class Checkpointer(CheckpointReader):
     `step`; returns before the write ends (with async saves not `waited` for, before the arrays
     reach the host where the devices have room for a copy of them). A step that is already
     saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
-    write takes every core (or `waited_write_threads`) and is compressed only with
+    write takes two threads per core (or `waited_write_threads`) and is compressed only with
     `compress_waited`, and with `staging_gb` it returns once written; else a write in the
     background is held to `write_threads` and compressed (jmoe/checkpoint/writer.py).
     `copied`: `state` is `copy_for_save`'s copy, taken to the host and written beside training.
@@ -198,7 +199,8 @@ class Checkpointer(CheckpointReader):
       copy = self._device_copy(state) if beside and jax.process_count() == 1 else None
     # (a state nothing changes while it is written may go to the host in parts)
     staged = bool(self._staging) and (copy is not None or not beside)
-    writing = dict(threads=self._write_threads if beside else self._waited_threads,
+    writing = dict(threads=self._write_threads if beside else
+                   writer.waited_threads(self._waited_threads),
                    compressed=beside or self._compress_waited, staged=staged)
     use_array_writer(**writing)
     if beside and not self._copies_noted and jax.default_backend() != "cpu":
