@@ -951,6 +951,37 @@ def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_p
   assert started[1:] == [(tree, 5e9)]  # (two parts of a staged save)
 
 
+def test_a_staged_checkpointer_reserves_the_whole_state_where_no_copy_will_fit(tmp_path,
+                                                                              monkeypatch):
+  """Page-locked memory reserved for two parts of a staged save is made the whole state's before
+  training starts where the compiled step leaves no room for the state's copy (those saves take
+  all of it to the host at once), and left so where the copy fits, or without staging."""
+  from jmoe.checkpoint import pinned
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree, limit: None)
+  whole = []
+  monkeypatch.setattr(pinned, "reserve", lambda tree, limit=None: whole.append((tree, limit)))
+  tree = {"a": jax.numpy.ones((4, 256)), "b": jax.numpy.ones(256, jax.numpy.bfloat16), "n": 3}
+  nbytes = 4 * 256 * 4 + 256 * 2  # (on one device)
+  stats = lambda limit: lambda device: {"bytes_limit": limit, "peak_bytes_in_use": 0}
+  for staging, step_bytes, limit, reserved in [
+      (2.5, 1000, 1000 + nbytes + 300, False),  # (the copy fits in 95% beside the step)
+      (2.5, 1000, 1000 + nbytes, True),  # (it does not)
+      (0.0, 1000, 1000 + nbytes, False)]:  # (not staged: all of it reserved already)
+    whole.clear()
+    checkpointer = Checkpointer(tmp_path / "c", keep=1, staging_gb=staging)
+    checkpointer.reserve_host_memory(tree)
+    checkpointer.expect_step(step_bytes, stats(limit))
+    if reserved:
+      (leaves, limit), = whole
+      assert limit is None and [(x.shape, x.dtype) for x in leaves[:2]] == [
+          ((4, 256), np.float32), ((256,), jax.numpy.bfloat16)]
+    else:
+      assert whole == []
+    checkpointer.expect_step(step_bytes, stats(1))  # (told once)
+    assert len(whole) == reserved
+
+
 def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tmp_path,
                                                                              monkeypatch):
   """Where saves copy the state on its devices (GPU, async, one process), `reserve_host_memory`

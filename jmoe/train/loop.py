@@ -31,7 +31,7 @@ from jmoe.train.preemption import StopSignals
 from jmoe.train.state import TrainState, state_spec
 from jmoe.train.start import (check_batch_fits, check_record, initial_state, run_record,
                               saved_part)
-from jmoe.train.step import documents_bound, fitting_schedule, make_eval_step
+from jmoe.train.step import compiled_peak, documents_bound, fitting_schedule, make_eval_step
 from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
                                 workdir_path, write_atomic)
 
@@ -128,6 +128,7 @@ class Trainer:
       self._compile_any = functools.partial(fitting_schedule, scheduled, layout, spec, optimizer,
                                             self.data.batch_spec())
       self._any_step = None  # the step for rows of more documents, compiled when one comes
+      self.checkpointer.expect_step(compiled_peak(self._step_fn))  # (before the first step)
       self._eval_fn = jax.jit(make_eval_step(spec.graphdef, config),
                               out_shardings=layout.replicated)
       log.info("compiled the train step in %.1f s%s", time.perf_counter() - t0,
