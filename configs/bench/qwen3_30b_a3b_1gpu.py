@@ -1,10 +1,7 @@
 """Qwen3-30B-A3B's real layer (d_model 2048, 32 query / 4 key-value heads of 128, 128 experts of 768,
 top-8, vocabulary 151,936) with 8 layers on one H200: batch 2 x 4096 tokens, bf16 parameters and
 AdamW state (the policy of the transformers peer it is compared with), no recomputation, the 8
-layers unrolled (no loop over the layer stack: 145 instead of 175 ms a step on an H200). Its
-31.3 GiB train state goes to the host 4 GB at a time where nothing changes it meanwhile
-(`checkpoint.staging_gb`), each part beside the last one's write: a 24 GiB last save took 1.72
-against 2.24 s whole on an H100 host (2026-12-07).
+layers unrolled (no loop over the layer stack: 145 instead of 175 ms a step on an H200).
 
   python scripts/benchmark.py --config configs/bench/qwen3_30b_a3b_1gpu.py [--balanced]
 """
@@ -20,5 +17,4 @@ def get_config():
   c.train.update(batch_size=2, micro_batch_size=0, remat="none", warmup_steps=2, steps=100)
   c.precision.update(params="bfloat16", compute="bfloat16", moments="bfloat16")
   c.data.seq_len = 4096
-  c.checkpoint.staging_gb = 4.0
   return c
