@@ -17,8 +17,9 @@ default 7 there: the two pools together leave two cores) and is compressed (zstd
 training waits for (a foreground save, the run's last, the one on a stop signal) takes two
 threads per core in each pool (`waited_threads`) and is written uncompressed (unless
 `checkpoint.compress_waited`), as nothing runs beside it: the 31.3 GiB state above took 3.9 s
-uncompressed against 6.3 compressed (TensorStore's own pools), for 39% more room on disk. Each array's zarr metadata names its codecs, so a reader needs no option, and
-steps written either way share one directory.
+uncompressed against 6.3 compressed (TensorStore's own pools), for 39% more room on disk.
+Each array's zarr metadata names its codecs, so a reader needs no option, and steps written
+either way share one directory.
 """
 
 from __future__ import annotations
@@ -160,8 +161,8 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
   jmoe's train states hold jax.Arrays only, and its saves run one at a time. `staged`: the
   arrays go to the host in parts as the write goes on (`TransferOrder`), each part's transfer
   beside the write of the part before (`_write_in_parts`), so at most two parts are on the host
-  at once: Orbax's own loop transfers a part only once the one before is written, and the
-  devices' copy engine and the host's writer threads took turns."""
+  at once (Orbax's own loop takes a part only once the one before is written: the devices' copy
+  engine and the host's writer threads take turns)."""
 
   def __init__(self, *, threads: int | None, compressed: bool = True, staged: bool = False,
                **kwargs):
