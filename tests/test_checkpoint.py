@@ -166,9 +166,11 @@ def wait_for_steps(metrics, count, procs):
 
 def test_two_processes_resume_and_save_like_one(reference, tmp_path):
   """2 processes x 4 CPU devices restore a one-process checkpoint, train, and save one that a
-  single process restores."""
+  single process restores; the last save staged (each process's arrays to the host in parts,
+  each part beside the write of the one before)."""
   workdir = stopped_at_3(reference, tmp_path)
-  procs = two_processes(workdir, OVERRIDES + LAYOUTS["tp2_ep4_etp2"][0])
+  procs = two_processes(workdir, OVERRIDES + LAYOUTS["tp2_ep4_etp2"][0]
+                        + ["checkpoint.staging_gb=0.00002"])
   for proc in procs:
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
