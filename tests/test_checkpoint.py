@@ -956,8 +956,9 @@ def test_checkpointer_reserves_page_locked_memory_only_for_gpu_async_saves(tmp_p
 def test_a_staged_checkpointer_reserves_the_whole_state_where_no_copy_will_fit(tmp_path,
                                                                               monkeypatch):
   """Page-locked memory reserved for two parts of a staged save is made the whole state's before
-  training starts where the compiled step leaves no room for the state's copy (those saves take
-  all of it to the host at once), and left so where the copy fits, or without staging."""
+  training starts where the compiled step leaves no room for the state's copy, or the devices
+  give no memory figures (those saves take all of it to the host at once), and left so where
+  the copy fits, or without staging."""
   from jmoe.checkpoint import pinned
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(pinned, "reserve_in_thread", lambda tree, limit: None)
@@ -965,10 +966,11 @@ def test_a_staged_checkpointer_reserves_the_whole_state_where_no_copy_will_fit(t
   monkeypatch.setattr(pinned, "reserve", lambda tree, limit=None: whole.append((tree, limit)))
   tree = {"a": jax.numpy.ones((4, 256)), "b": jax.numpy.ones(256, jax.numpy.bfloat16), "n": 3}
   nbytes = 4 * 256 * 4 + 256 * 2  # (on one device)
-  stats = lambda limit: lambda device: {"bytes_limit": limit, "peak_bytes_in_use": 0}
+  stats = lambda limit: lambda device: limit and {"bytes_limit": limit, "peak_bytes_in_use": 0}
   for staging, step_bytes, limit, reserved in [
       (2.5, 1000, 1000 + nbytes + 300, False),  # (the copy fits in 95% beside the step)
       (2.5, 1000, 1000 + nbytes, True),  # (it does not)
+      (2.5, 1000, None, True),  # (no memory figures: no copy is taken, as in device_copy)
       (0.0, 1000, 1000 + nbytes, False)]:  # (not staged: all of it reserved already)
     whole.clear()
     checkpointer = Checkpointer(tmp_path / "c", keep=1, staging_gb=staging)

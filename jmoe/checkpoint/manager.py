@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import math
 import os
 import pathlib
 import threading
@@ -41,7 +40,8 @@ from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remo
                                   remove_tree, unfinished_saves)
 from jmoe.checkpoint.reader import CheckpointReader
 from jmoe.checkpoint.remover import use_step_remover
-from jmoe.checkpoint.snapshot import CopyRoom, copy_programs, device_copy
+from jmoe.checkpoint.snapshot import (CopyRoom, bytes_per_device, copy_programs, device_copy,
+                                      room_for_copy)
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -151,22 +151,14 @@ class Checkpointer(CheckpointReader):
                   ) -> None:
     """Told the compiled step's bytes per device (before the first step): where page-locked
     memory was reserved for two parts of a staged save only and the devices will lack room for
-    the state's copy beside the step (`device_copy`'s judgement, with `step_bytes` for the
+    the state's copy beside the step (`room_for_copy`, with `step_bytes` for the
     peak), the saves beside training will take the whole state to the host, so the rest is
     reserved now, before training starts. Locked at the first such save instead, it held
     training up: about 5.5 s for 21 GiB on an H100 (Qwen3's bench, 2026-12-07)."""
     leaves, self._in_parts = self._in_parts, None
     if leaves is None:
       return
-    needed: dict[Any, int] = {}
-    for x in leaves:
-      if isinstance(x, jax.ShapeDtypeStruct):
-        for device in x.sharding.device_set:
-          needed[device] = needed.get(device, 0) + math.prod(
-              x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    limits = [(memory_stats(device) or {}).get("bytes_limit") for device in needed]
-    if any(limit is None for limit in limits) or all(
-        step_bytes + nbytes <= 0.95 * limit for nbytes, limit in zip(needed.values(), limits)):
+    if room_for_copy(bytes_per_device(leaves), memory_stats, peak=step_bytes):
       return
     self.wait_reserved()
     log.info("checkpoints: the devices lack room for the state's copy beside the step, so saves "

@@ -4,6 +4,7 @@ them to the host: the next step may donate (overwrite) the state's arrays, not t
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any, Callable
 
@@ -15,24 +16,45 @@ import numpy as np
 def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats()
                 ) -> Any | None:
   """`tree` with each of its arrays copied on the devices it lies on, or None where a device has
-  no memory figures (the host's own) or too little room: its peak so far (a training step's)
-  and the copy must fit in 95% of its memory."""
-  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
-  needed: dict[Any, int] = {}
-  for x in arrays:
-    for shard in x.addressable_shards:
-      needed[shard.device] = needed.get(shard.device, 0) + shard.data.nbytes
-  for device, nbytes in needed.items():
-    stats = memory_stats(device) or {}
-    if "bytes_limit" not in stats or (
-        stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0)) + nbytes
-        > 0.95 * stats["bytes_limit"]):
-      return None
+  no room for the copy beside its peak so far (a training step's): `room_for_copy`."""
   leaves, treedef = jax.tree.flatten(tree)
+  if not room_for_copy(bytes_per_device(leaves), memory_stats):
+    return None
   for at, program in copy_programs(leaves):
     for i, x in zip(at, program([leaves[i] for i in at])):
       leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
+
+
+def bytes_per_device(leaves: list) -> dict[Any, int]:
+  """The bytes the arrays among `leaves` (jax.Arrays or ShapeDtypeStructs with shardings; other
+  leaves are passed over) hold on each of this process's devices."""
+  needed: dict[Any, int] = {}
+  for x in leaves:
+    if isinstance(x, jax.Array):
+      for shard in x.addressable_shards:
+        needed[shard.device] = needed.get(shard.device, 0) + shard.data.nbytes
+    elif isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None:
+      nbytes = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+      for device in x.sharding.addressable_devices:
+        needed[device] = needed.get(device, 0) + nbytes
+  return needed
+
+
+def room_for_copy(needed: dict[Any, int], memory_stats: Callable = lambda d: d.memory_stats(),
+                  peak: int | None = None) -> bool:
+  """Whether each device of `needed` (bytes per device) has room for a copy of that many bytes:
+  its peak (`peak` bytes where given, a compiled step's; else its peak in use so far) and the copy
+  must fit in 95% of its memory. A device without memory figures (the host's own) has none."""
+  for device, nbytes in needed.items():
+    stats = memory_stats(device) or {}
+    if "bytes_limit" not in stats:
+      return False
+    held = peak if peak is not None else stats.get("peak_bytes_in_use",
+                                                   stats.get("bytes_in_use", 0))
+    if held + nbytes > 0.95 * stats["bytes_limit"]:
+      return False
+  return True
 
 
 class CopyRoom:

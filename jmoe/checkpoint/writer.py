@@ -166,10 +166,10 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
 
   def __init__(self, *, threads: int | None, compressed: bool = True, staged: bool = False,
                **kwargs):
-    super().__init__(callback=TransferOrder(staged), **kwargs)
+    self.order = TransferOrder(staged)  # (whether staged: this order's, the one Orbax follows)
+    super().__init__(callback=self.order, **kwargs)
     self.threads = threads
     self.compressed = compressed
-    self.staged = staged
     self._context = None  # (Orbax's context for the last save's arrays, the bounded one)
 
   async def serialize(self, values, infos, args=None):
@@ -203,7 +203,7 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
     write of the one before; None where Orbax writes them (not staged, another Orbax, a
     dispatcher, random keys, which Orbax's writer stores with metadata of their own)."""
     limiter = infos[0].device_host_byte_limiter if infos else None
-    if (not self.staged or orbax_arrays is None or self.has_dispatcher()
+    if (not self.order.staged or orbax_arrays is None or self.has_dispatcher()
         or not isinstance(limiter, orbax_limits.LimitInFlightBytes)
         or any(jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) for value in values)):
       return None
