@@ -21,19 +21,20 @@ from jmoe.config import Config, ConfigError, to_dict
 from jmoe.data import DataPipeline
 from jmoe.errors import Diverged, Interrupted, choice
 from jmoe.inference.score import score
-from jmoe.model.stages import Schedule, slots_of
 from jmoe.moe import DISPATCHERS
 from jmoe.parallel import make_layout
 from jmoe.train.health import StepHealth, compile_finite_check, finite_flag
 from jmoe.train.metrics import MetricsWriter, drop_metrics_after, summarize
 from jmoe.train.optimizer import make_optimizer
 from jmoe.train.preemption import StopSignals
-from jmoe.train.state import TrainState, state_spec
+from jmoe.train.state import state_spec
 from jmoe.train.start import (check_batch_fits, check_record, initial_state, run_record,
                               saved_part)
-from jmoe.train.step import compiled_peak, documents_bound, fitting_schedule, make_eval_step
-from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, remove_made,
-                                workdir_path, write_atomic)
+from jmoe.train.pipelined import log_pipeline
+from jmoe.train.step import (compiled_peak, documents_bound, evaluation_loss, fitting_schedule,
+                             make_eval_step)
+from jmoe.train.workdir import (WorkdirLock, check_workdir, make_workdir, not_written,
+                                remove_made, workdir_path, write_atomic)
 
 log = logging.getLogger("jmoe")
 
@@ -375,35 +376,3 @@ class Trainer:
       raise not_written(failure, self.workdir) from None
     if failure is not None:
       raise failure
-
-
-def log_pipeline(config: Config, layout) -> None:
-  """The pipeline's schedule (resolved), bubble, micro-batches in flight and stage balance."""
-  micro = config.train.num_micro_batches
-  sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule)
-  log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
-           "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
-           layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
-           slots_of(layout, config.moe_layers).describe())
-  if sched.kind != "gpipe" and config.train.remat != "none":
-    log.info("pipeline: train.remat=%s under %s: each backward slot recomputes its stage's "
-             "forward pass from the stage's input, and inside it the policy recomputes what it "
-             "does not keep a second time; train.remat=none recomputes once (the least work) and "
-             "keeps one stage visit's activations during its backward slot "
-             "(scripts/estimate_memory.py says whether they fit)",
-             config.train.remat, sched.kind)
-
-
-def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
-  """The message for a file of the workdir (`path`, unless the error names one) that could not
-  be written: a full disk, or the workdir changed under the run."""
-  return ConfigError(f"{error.filename or path} cannot be written ({error.strerror}): free or "
-                     f"fix it, then run the same command again (it resumes from the latest "
-                     f"checkpoint in {path}, or starts over where none was saved)")
-
-
-def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
-  """The mean next-token loss over every target of the held-out batches."""
-  results = jax.device_get([eval_fn(state.params, state.rest, batch) for batch in batches])
-  total = sum(float(count) for _, count in results)
-  return sum(float(loss) * float(count) for loss, count in results) / max(total, 1.0)

@@ -7,6 +7,7 @@ data axis, as under GPipe: the head and MTP modules of a micro-batch run on ever
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import jax
@@ -17,6 +18,7 @@ from jmoe.config import Config
 from jmoe.model.block import RESIDUAL_AXES
 from jmoe.model.factory import DTYPES
 from jmoe.model.pipeline_1f1b import pipeline_value_and_grad
+from jmoe.model.stages import Schedule, slots_of
 from jmoe.ops.fp8 import Fp8History
 from jmoe.parallel import active_layout
 from jmoe.train.loss import (balance_losses, head_nll, mtp_inputs, mtp_loss, router_metrics,
@@ -24,6 +26,8 @@ from jmoe.train.loss import (balance_losses, head_nll, mtp_inputs, mtp_loss, rou
 from jmoe.train.state import trainable
 
 STACK = "moe_blocks"  # the model's stack that the stages split
+
+log = logging.getLogger("jmoe")
 
 
 def make_pipelined_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable:
@@ -83,3 +87,20 @@ def make_pipelined_gradients(graphdef: nnx.GraphDef, config: Config) -> Callable
     return grads, histories, metrics
 
   return gradients
+
+
+def log_pipeline(config: Config, layout) -> None:
+  """The pipeline's schedule (resolved), bubble, micro-batches in flight and stage balance."""
+  micro = config.train.num_micro_batches
+  sched = Schedule(layout.stages, layout.repeats, micro, config.parallel.schedule)
+  log.info("pipeline: %d micro-batches through %d stages x %d repeat(s), %s: bubble %.1f%% "
+           "((S - 1) / (R M + S - 1)), %d micro-batches in flight per stage; %s", micro,
+           layout.stages, layout.repeats, sched.kind, 100 * sched.bubble, sched.in_flight,
+           slots_of(layout, config.moe_layers).describe())
+  if sched.kind != "gpipe" and config.train.remat != "none":
+    log.info("pipeline: train.remat=%s under %s: each backward slot recomputes its stage's "
+             "forward pass from the stage's input, and inside it the policy recomputes what it "
+             "does not keep a second time; train.remat=none recomputes once (the least work) and "
+             "keeps one stage visit's activations during its backward slot "
+             "(scripts/estimate_memory.py says whether they fit)",
+             config.train.remat, sched.kind)

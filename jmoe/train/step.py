@@ -275,3 +275,10 @@ def make_eval_step(graphdef: nnx.GraphDef, config: Config) -> Callable:
     return metrics["lm_loss"], counts["lm"]
 
   return eval_step
+
+
+def evaluation_loss(eval_fn, state: TrainState, batches: list[dict]) -> float:
+  """The mean next-token loss over every target of the held-out batches."""
+  results = jax.device_get([eval_fn(state.params, state.rest, batch) for batch in batches])
+  total = sum(float(count) for _, count in results)
+  return sum(float(loss) * float(count) for loss, count in results) / max(total, 1.0)

@@ -248,3 +248,11 @@ class WorkdirLock:
 
   def __exit__(self, *exc) -> None:
     self.release()
+
+
+def not_written(error: OSError, path: pathlib.Path) -> ConfigError:
+  """The message for a file of the workdir (`path`, unless the error names one) that could not
+  be written: a full disk, or the workdir changed under the run."""
+  return ConfigError(f"{error.filename or path} cannot be written ({error.strerror}): free or "
+                     f"fix it, then run the same command again (it resumes from the latest "
+                     f"checkpoint in {path}, or starts over where none was saved)")
