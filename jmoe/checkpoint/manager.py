@@ -151,9 +151,9 @@ class Checkpointer(CheckpointReader):
                   ) -> None:
     """Told the compiled step's bytes per device (before the first step): where page-locked
     memory was reserved for two parts of a staged save only and the devices will lack room for
-    the state's copy beside the step (`room_for_copy`, with `step_bytes` for the
-    peak), the saves beside training will take the whole state to the host, so the rest is
-    reserved now, before training starts. Locked at the first such save instead, it held
+    the state's copy beside the step (`room_for_copy`, with `step_bytes` for the peak), the
+    saves beside training will take the whole state to the host, so the rest is reserved now,
+    before training starts. Locked at the first such save instead, it held
     training up: about 5.5 s for 21 GiB on an H100 (Qwen3's bench, 2026-12-07)."""
     leaves, self._in_parts = self._in_parts, None
     if leaves is None:

@@ -41,8 +41,8 @@ def bytes_per_device(leaves: list) -> dict[Any, int]:
   return needed
 
 
-def room_for_copy(needed: dict[Any, int], memory_stats: Callable = lambda d: d.memory_stats(),
-                  peak: int | None = None) -> bool:
+def room_for_copy(needed: dict[Any, int], memory_stats: Callable, peak: int | None = None
+                  ) -> bool:
   """Whether each device of `needed` (bytes per device) has room for a copy of that many bytes:
   its peak (`peak` bytes where given, a compiled step's; else its peak in use so far) and the copy
   must fit in 95% of its memory. A device without memory figures (the host's own) has none."""
