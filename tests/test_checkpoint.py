@@ -242,7 +242,7 @@ def test_a_save_copies_on_the_devices_and_lets_training_go_on(tmp_path, monkeypa
   shardings = jax.tree.map(lambda x: x.sharding, make())
   # Room: the copy (64 bytes a shard of "split", 512 of "replicated") beside the peak.
   roomy = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 8_000}
-  tight = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 9_000}
+  tight = lambda device: {"bytes_limit": 10_000, "peak_bytes_in_use": 9_450}  # (no shard fits)
   assert manager.device_copy(make(), tight) is None
   assert manager.device_copy(make(), lambda device: None) is None  # the host's own memory
   original = make()
@@ -1003,8 +1003,8 @@ def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tm
   monkeypatch.setattr(pinned, "reserve_in_thread", lambda *args: None)  # (only the compile here)
   checkpointer = Checkpointer(tmp_path / "c", keep=1)
   checkpointer.reserve_host_memory(tree)
-  assert checkpointer._compiling is not None
-  checkpointer._compiling.join()
+  assert checkpointer._compiling
+  checkpointer.wait_reserved()
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
 
   def compiling(*args, **kwargs):
@@ -1024,6 +1024,70 @@ def test_the_states_device_copy_is_one_program_compiled_before_the_first_save(tm
     with pytest.raises(AssertionError, match="compiled at the save"):
       manager.device_copy({"c": jnp.ones(5)}, roomy)
   checkpointer.close()
+
+
+def test_a_save_copies_on_the_devices_what_fits_and_puts_the_rest_in_page_locked_memory(
+    tmp_path, monkeypatch, caplog):
+  """Where the devices have room beside the step for part of the state's copy, the copy takes
+  the arrays that fit (in order, each where it fits beside those before it) and puts the others
+  in page-locked host memory, in one program compiled when the step's bytes are known (before
+  the first save); the save writes both kinds and restores the state as it was after the
+  originals are overwritten. Without page-locked memory, or where nothing fits, no copy."""
+  import jax.numpy as jnp
+  from jmoe.checkpoint import manager, pinned
+  mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+  values = {"a": np.arange(64.0, dtype=np.float32).reshape(16, 4),  # 32 bytes a device
+            "b": np.arange(3, dtype=np.float32).astype(jnp.bfloat16),  # 6 bytes, on one device
+            "scale": np.float32(2.0)}  # 4 bytes
+  make = lambda: {"a": jax.device_put(values["a"], NamedSharding(mesh, PartitionSpec("d"))),
+                  "b": jnp.asarray(values["b"]), "scale": jnp.asarray(values["scale"]),
+                  "step": 7}
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(pinned, "reserve_in_thread", lambda *args: None)
+  # 950 of 1,000 bytes usable, 940 the step's: room for "b" and "scale" (10 bytes), not "a"
+  step_stats = lambda device: {"bytes_limit": 1000}
+  at_save = lambda device: {"bytes_limit": 1000, "peak_bytes_in_use": 940}
+  leaves = jax.tree.leaves(make())
+  assert manager.copy_split(leaves, at_save) == frozenset({0})
+  assert manager.copy_split(leaves, at_save, peak=900) == frozenset()
+  assert manager.copy_split(leaves, at_save, peak=950) is None
+
+  def compiling(*args, **kwargs):
+    raise AssertionError("the save's copy was compiled at the save")
+  for staging in (0.0, 16 / 1e9):  # (whole; in parts of one array, written as they arrive)
+    tree = make()
+    checkpointer = Checkpointer(tmp_path / f"c{staging}", keep=1, staging_gb=staging)
+    checkpointer.reserve_host_memory(tree)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="jmoe"):
+      checkpointer.expect_step(940, step_stats)
+    assert "room for 0.0 of the state's 0.0 GiB beside the step" in caplog.text
+    checkpointer.wait_reserved()
+    with monkeypatch.context() as m:
+      m.setattr(jax, "jit", compiling)
+      copy = manager.device_copy(tree, at_save)
+    assert {k: copy[k].sharding.memory_kind for k in values} == {
+        "a": "pinned_host", "b": "device", "scale": "device"}
+    assert copy["a"].sharding.is_equivalent_to(
+        tree["a"].sharding.with_memory_kind("pinned_host"), 2)
+    assert copy["step"] == 7
+    for name in values:  # (the next step overwrites the state)
+      tree[name].delete()
+    checkpointer.save(1, {k: copy[k] for k in values}, {"at": 1}, copied=True)
+    checkpointer.wait()
+    abstract = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype)
+                for k, v in values.items()}
+    restored, data = checkpointer.restore(1, abstract, {k: x.sharding for k, x in make().items()
+                                                        if k in values})
+    for name, want in values.items():
+      np.testing.assert_array_equal(np.asarray(restored[name]), np.asarray(want))
+      assert restored[name].sharding.memory_kind == "device"
+    assert data == {"at": 1}
+    checkpointer.close()
+  monkeypatch.setattr(pinned, "has_pinned_host", lambda tree: False)
+  assert manager.device_copy(make(), at_save) is None
+  assert manager.device_copy(make(), lambda device: {"bytes_limit": 1000,
+                                                     "peak_bytes_in_use": 0}) is not None
 
 
 def test_a_failed_saves_directory_made_again_by_writes_still_ending_is_removed_for_good(tmp_path):

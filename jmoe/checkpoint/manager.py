@@ -40,8 +40,8 @@ from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remo
                                   remove_tree, unfinished_saves)
 from jmoe.checkpoint.reader import CheckpointReader
 from jmoe.checkpoint.remover import use_step_remover
-from jmoe.checkpoint.snapshot import (CopyRoom, bytes_per_device, copy_programs, device_copy,
-                                      room_for_copy)
+from jmoe.checkpoint.snapshot import (CopyRoom, bytes_per_device, copy_programs, copy_split,
+                                      device_copy)
 from jmoe.checkpoint.writer import use_array_writer
 from jmoe.config import ConfigError
 from jmoe.errors import os_error
@@ -50,6 +50,11 @@ log = logging.getLogger("jmoe")
 
 # The longest a save's transfer to the host waits for the loop's `transfer_lead` steps.
 TRANSFER_LEAD_S = 10.0
+
+
+def _gib(leaves: list) -> float:
+  """The GiB the arrays among `leaves` hold on the device that holds the most of them."""
+  return max(bytes_per_device(leaves).values(), default=0) / 2**30
 
 
 class Checkpointer(CheckpointReader):
@@ -115,8 +120,9 @@ class Checkpointer(CheckpointReader):
     self._thread_error: Exception | None = None
     self._copies_noted = False
     self._reserving: threading.Thread | None = None  # page-locked host memory being reserved
-    self._in_parts: list | None = None  # the state's leaves, where reserved for two parts only
-    self._compiling: threading.Thread | None = None  # the state's device copy being compiled
+    self._expected: list | None = None  # the state's leaves, until `expect_step`
+    self._in_parts: bool | None = None  # page-locked memory was reserved for two parts only
+    self._compiling: list[threading.Thread] = []  # the state's device copy being compiled
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -133,45 +139,64 @@ class Checkpointer(CheckpointReader):
       return
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type)
               if isinstance(x, jax.Array) else x for x in jax.tree.leaves(state)]
+    self._expected = leaves
     if pinned.has_pinned_host(state):
       self._reserving = pinned.reserve_in_thread(state, 2 * self._staging * 1e9 or None)
-      self._in_parts = leaves if self._staging else None
+      self._in_parts = bool(self._staging)
+    self._compiling.append(self._compile_in_thread(leaves))
 
+  @staticmethod
+  def _compile_in_thread(leaves: list, to_host: frozenset[int] = frozenset()
+                         ) -> threading.Thread:
+    """Compiles the state's copy (`copy_programs(leaves, to_host)`) in a daemon thread, started;
+    a failure only leaves it to the first save."""
     def compile_copy():
       try:
-        copy_programs(leaves)
+        copy_programs(leaves, to_host)
       except Exception as e:  # noqa: BLE001 - an optimisation; the first save compiles it
         log.debug("checkpoints: compiling the state's copy failed: %s", e)
 
-    self._compiling = threading.Thread(target=compile_copy, name="jmoe-copy-compile",
-                                       daemon=True)
-    self._compiling.start()
+    thread = threading.Thread(target=compile_copy, name="jmoe-copy-compile", daemon=True)
+    thread.start()
+    return thread
 
   def expect_step(self, step_bytes: int, memory_stats: Callable = lambda d: d.memory_stats()
                   ) -> None:
-    """Told the compiled step's bytes per device (before the first step): where page-locked
-    memory was reserved for two parts of a staged save only and the devices will lack room for
-    the state's copy beside the step (`room_for_copy`, with `step_bytes` for the peak), the
-    saves beside training will take the whole state to the host, so the rest is reserved now,
-    before training starts. Locked at the first such save instead, it held
-    training up: about 5.5 s for 21 GiB on an H100 (Qwen3's bench, 2026-12-07)."""
-    leaves, self._in_parts = self._in_parts, None
+    """Told the compiled step's bytes per device (before the first step), prepares the saves
+    beside training for the room the step leaves for the state's copy (`copy_split`, with
+    `step_bytes` for the peak). Where only part of the copy fits, the program that copies that
+    part and puts the rest in page-locked host memory is compiled now. Where not all of it fits
+    and page-locked memory was reserved for two parts of a staged save only, the saves beside
+    training will take the state (or the rest) to the host before the next step, so page-locked
+    memory for all of it is reserved now, before training starts. Locked at the first such save
+    instead, it held training up: about 5.5 s for 21 GiB on an H100 (Qwen3's bench,
+    2026-12-07)."""
+    leaves, in_parts = self._expected, self._in_parts
+    self._expected = self._in_parts = None
     if leaves is None:
       return
-    if room_for_copy(bytes_per_device(leaves), memory_stats, peak=step_bytes):
+    to_host = copy_split(leaves, memory_stats, peak=step_bytes)
+    if to_host:
+      log.info("checkpoints: the devices have room for %.1f of the state's %.1f GiB beside the "
+               "step: saves beside training copy that part on the devices and put the rest in "
+               "page-locked host memory before the next step",
+               _gib([x for i, x in enumerate(leaves) if i not in to_host]), _gib(leaves))
+      self._compiling.append(self._compile_in_thread(leaves, to_host))
+    if to_host == frozenset() or not in_parts:
       return
     self.wait_reserved()
-    log.info("checkpoints: the devices lack room for the state's copy beside the step, so saves "
-             "beside training take all of it to the host: reserving page-locked memory for all "
-             "of it, not two parts")
+    if to_host is None:
+      log.info("checkpoints: the devices lack room for the state's copy beside the step, so saves "
+               "beside training take all of it to the host: reserving page-locked memory for all "
+               "of it, not two parts")
     pinned.reserve(leaves)
 
   def wait_reserved(self) -> None:
     """Waits for what `reserve_host_memory` started (the first save waits for it too)."""
-    for thread in (self._reserving, self._compiling):
+    for thread in (self._reserving, *self._compiling):
       if thread is not None:
         thread.join()
-    self._reserving = self._compiling = None
+    self._reserving, self._compiling = None, []
 
   def copy_for_save(self, state: Any) -> Any | None:
     """A copy of `state` on its devices for a save beside training (`save(..., copied=True)`),
@@ -229,9 +254,14 @@ class Checkpointer(CheckpointReader):
       self._copies_noted = True
       why = ("several processes save together" if jax.process_count() > 1 else
              "the devices lack room for a copy beside the step's peak")
+      on_host = copy is not None and any(
+          x.sharding.memory_kind == pinned.PINNED for x in jax.tree.leaves(copy)
+          if isinstance(x, jax.Array))
       log.info("checkpoints: %s", "the state is copied on its devices and training goes on "
-               "while the copy goes to the host" if copy is not None else
-               f"training waits while the state goes to the host ({why})")
+               "while the copy goes to the host" if copy is not None and not on_host else
+               "the part of the state the devices have room for is copied there, training "
+               "waits while the rest goes to the host, then goes on beside the copy's transfer"
+               if on_host else f"training waits while the state goes to the host ({why})")
     items = dict(data=ocp.args.JsonSave(data or {}))
     if run:
       items["run"] = ocp.args.JsonSave(run)

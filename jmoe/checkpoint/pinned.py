@@ -25,8 +25,10 @@ PINNED = "pinned_host"
 
 
 def has_pinned_host(tree: Any) -> bool:
-  """Whether every array of `tree` lies on devices that have page-locked host memory."""
-  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)]
+  """Whether every array of `tree` (jax.Arrays, or ShapeDtypeStructs with shardings) lies on
+  devices that have page-locked host memory."""
+  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) or (
+      isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None)]
   devices = {d for x in arrays for d in x.sharding.device_set}
   return bool(arrays) and all(
       any(m.kind == PINNED for m in d.addressable_memories()) for d in devices)

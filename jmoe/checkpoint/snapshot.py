@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jmoe.checkpoint import pinned
+
 
 def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats()
                 ) -> Any | None:
-  """`tree` with each of its arrays copied on the devices it lies on, or None where a device has
-  no room for the copy beside its peak so far (a training step's): `room_for_copy`."""
+  """`tree` with each of its arrays copied on the devices it lies on, as far as they have room
+  for the copies beside their peak so far (a training step's): `copy_split`. The arrays whose
+  copies do not fit are put in page-locked host memory by the same program, so that the next
+  step, which may overwrite them, waits only for that part of the state to reach the host. None
+  where no copy fits, or some do not and the devices have no page-locked host memory."""
   leaves, treedef = jax.tree.flatten(tree)
-  if not room_for_copy(bytes_per_device(leaves), memory_stats):
+  to_host = copy_split(leaves, memory_stats)
+  if to_host is None:
     return None
-  for at, program in copy_programs(leaves):
+  for at, program in copy_programs(leaves, to_host):
     for i, x in zip(at, program([leaves[i] for i in at])):
       leaves[i] = x
   return jax.tree.unflatten(treedef, leaves)
@@ -41,20 +47,45 @@ def bytes_per_device(leaves: list) -> dict[Any, int]:
   return needed
 
 
-def room_for_copy(needed: dict[Any, int], memory_stats: Callable, peak: int | None = None
-                  ) -> bool:
-  """Whether each device of `needed` (bytes per device) has room for a copy of that many bytes:
-  its peak (`peak` bytes where given, a compiled step's; else its peak in use so far) and the copy
-  must fit in 95% of its memory. A device without memory figures (the host's own) has none."""
-  for device, nbytes in needed.items():
+def room_left(devices: Iterable, memory_stats: Callable, peak: int | None = None
+              ) -> dict[Any, float]:
+  """The bytes each of `devices` has room for beside its peak (`peak` bytes where given, a
+  compiled step's; else its peak in use so far) within 95% of its memory; 0 for a device without
+  memory figures (the host's own)."""
+  left = {}
+  for device in devices:
     stats = memory_stats(device) or {}
     if "bytes_limit" not in stats:
-      return False
+      left[device] = 0
+      continue
     held = peak if peak is not None else stats.get("peak_bytes_in_use",
                                                    stats.get("bytes_in_use", 0))
-    if held + nbytes > 0.95 * stats["bytes_limit"]:
-      return False
-  return True
+    left[device] = 0.95 * stats["bytes_limit"] - held
+  return left
+
+
+def copy_split(leaves: list, memory_stats: Callable, peak: int | None = None
+               ) -> frozenset[int] | None:
+  """Which of the arrays among `leaves` (jax.Arrays, or ShapeDtypeStructs with shardings) a
+  save's copy puts in page-locked host memory rather than on their devices: the indices of those
+  whose copies do not fit in `room_left` (each array taken in order, and copied on the devices
+  where it fits beside those copied before it). An empty set: every copy fits; None: none
+  fits, or some do not and the devices have no page-locked host memory to put them in."""
+  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) or (
+      isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None)]
+  sizes = {i: bytes_per_device([leaves[i]]) for i in arrays}
+  left = room_left({d for i in arrays for d in sizes[i]}, memory_stats, peak)
+  to_host = set()
+  for i in arrays:
+    if all(nbytes <= left[device] for device, nbytes in sizes[i].items()):
+      for device, nbytes in sizes[i].items():
+        left[device] -= nbytes
+    else:
+      to_host.add(i)
+  if to_host and (len(to_host) == len(arrays) or
+                  not pinned.has_pinned_host([leaves[i] for i in arrays])):
+    return None
+  return frozenset(to_host)
 
 
 class CopyRoom:
@@ -79,35 +110,41 @@ class CopyRoom:
     return dict(stats, peak_bytes_in_use=max(self._peaks[device], stats.get("bytes_in_use", 0)))
 
 
-def copy_programs(leaves: list) -> list[tuple[list[int], Callable[[list], list]]]:
+def copy_programs(leaves: list, to_host: frozenset[int] = frozenset()
+                  ) -> list[tuple[list[int], Callable[[list], list]]]:
   """For the arrays among `leaves` (jax.Arrays or ShapeDtypeStructs; other leaves are passed
   over), grouped by the devices they lie on (one program runs on one set of devices): each
-  group's indices, in order, and `copy_program` for it."""
+  group's indices, in order, and `copy_program` for it, putting the arrays whose indices are in
+  `to_host` in page-locked host memory (`copy_split`)."""
   groups: dict[frozenset, list[int]] = {}
   for i, x in enumerate(leaves):
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
       groups.setdefault(frozenset(x.sharding.device_set), []).append(i)
-  return [(at, copy_program([leaves[i] for i in at])) for at in groups.values()]
+  return [(at, copy_program([leaves[i] for i in at], [i in to_host for i in at]))
+          for at in groups.values()]
 
 
 _programs: dict[tuple, Any] = {}  # (a function, a list of arrays' (shape, dtype, sharding, weak
-_programs_lock = threading.Lock()  # type)s): the function compiled for such lists
+_programs_lock = threading.Lock()  # type)s, the outputs' shardings): the function compiled
 
 
-def compiled_for(fn: Callable[[list], Any], arrays: list, **jit_options) -> Callable[[list], Any]:
+def compiled_for(fn: Callable[[list], Any], arrays: list, out_shardings: list | None = None
+                 ) -> Callable[[list], Any]:
   """`fn`, a function of a list of arrays, compiled for lists like `arrays` (jax.Arrays or
-  ShapeDtypeStructs with their shardings), once per function and kind of list and kept: a
+  ShapeDtypeStructs with their shardings), with `out_shardings` for its outputs where given
+  (else XLA's choice), once per function, kind of list and outputs' shardings, and kept: a
   program the loop runs at a save's step compiles beforehand, not on the step's time (0.1-0.4 s
-  on a GPU host, with its queue empty). `jit_options` go to `jax.jit`; for a given `fn` they must
-  follow from `arrays` (they are not part of the key)."""
+  on a GPU host, with its queue empty)."""
   weak = lambda x: bool(getattr(x, "weak_type", False))
-  key = (fn, tuple((tuple(x.shape), np.dtype(x.dtype), x.sharding, weak(x)) for x in arrays))
+  key = (fn, tuple((tuple(x.shape), np.dtype(x.dtype), x.sharding, weak(x)) for x in arrays),
+         None if out_shardings is None else tuple(out_shardings))
   with _programs_lock:
     found = _programs.get(key)
   if found is None:
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=weak(x))
                 for x in arrays]
-    found = jax.jit(fn, **jit_options).lower(abstract).compile()
+    options = {} if out_shardings is None else dict(out_shardings=list(out_shardings))
+    found = jax.jit(fn, **options).lower(abstract).compile()
     with _programs_lock:
       found = _programs.setdefault(key, found)
   return found
@@ -117,11 +154,15 @@ def _copies(arrays: list) -> list:
   return [jnp.copy(x) for x in arrays]
 
 
-def copy_program(arrays: list) -> Callable[[list], list]:
+def copy_program(arrays: list, to_host: list[bool] | None = None) -> Callable[[list], list]:
   """The compiled program copying a list of arrays like `arrays` (jax.Arrays or
-  ShapeDtypeStructs with their shardings, all on one set of devices) there, in one launch;
-  compiled once per kind of list and kept. A copy compiled for each of a state's arrays when
-  the first save needed them held that save (and the steps) up for 0.44 s on an H100 (a 17.4
-  GiB state, 2026-12-06), so `Checkpointer.reserve_host_memory` compiles this while the train
-  step compiles: the first save then returned in 9 ms."""
-  return compiled_for(_copies, arrays, out_shardings=[x.sharding for x in arrays])
+  ShapeDtypeStructs with their shardings, all on one set of devices) there, or to page-locked
+  host memory where `to_host` says so, in one launch; compiled once per kind of list and kept.
+  A copy compiled for each of a state's arrays when the first save needed them held that save
+  (and the steps) up for 0.44 s on an H100 (a 17.4 GiB state, 2026-12-06), so
+  `Checkpointer.reserve_host_memory` compiles this while the train step compiles: the first
+  save then returned in 9 ms."""
+  to_host = to_host or [False] * len(arrays)
+  return compiled_for(_copies, arrays, [
+      x.sharding.with_memory_kind(pinned.PINNED) if host else x.sharding
+      for x, host in zip(arrays, to_host)])
