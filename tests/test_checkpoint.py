@@ -1054,9 +1054,10 @@ def test_a_save_copies_on_the_devices_what_fits_and_puts_the_rest_in_page_locked
 
   def compiling(*args, **kwargs):
     raise AssertionError("the save's copy was compiled at the save")
-  for staging in (0.0, 16 / 1e9):  # (whole; in parts of one array, written as they arrive)
+  # (whole; in parts of one array, written as they arrive; one array at a time to the host)
+  for n, how in enumerate([{}, {"staging_gb": 16 / 1e9}, {"paced_transfer": True}]):
     tree = make()
-    checkpointer = Checkpointer(tmp_path / f"c{staging}", keep=1, staging_gb=staging)
+    checkpointer = Checkpointer(tmp_path / f"c{n}", keep=1, **how)
     checkpointer.reserve_host_memory(tree)
     caplog.clear()
     with caplog.at_level("INFO", logger="jmoe"):

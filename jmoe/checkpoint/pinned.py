@@ -61,9 +61,9 @@ def put_in_turn(tree: Any) -> Any:
   """`tree` with its arrays put in page-locked host memory one at a time, in the tree's order
   (`reserve`'s, so that the reserved memory is taken as it was laid out), each waited for and
   then deleted from the devices: for a copy of the state made for a save, whose arrays nothing
-  else holds."""
+  else holds. Arrays already there pass through."""
   def one(x):
-    if not isinstance(x, jax.Array):
+    if not isinstance(x, jax.Array) or x.sharding.memory_kind == PINNED:
       return x
     host = jax.block_until_ready(jax.device_put(x, x.sharding.with_memory_kind(PINNED)))
     x.delete()
