@@ -134,7 +134,7 @@ def bare_step_s(trainer, warmup: int, *, keep: bool, repeats: int = 5) -> tuple[
     steps.append(trainer.step_for(trainer.data.documents))
   jax.block_until_ready(batches)
   stashed = None
-  state = trainer.state if keep else device_copy(trainer.state)
+  state = trainer.state if keep else device_copy(trainer.state, whole=True)
   if state is None:
     state = trainer.state
     stashed = (jax.device_get(state), jax.tree.map(lambda x: x.sharding, state))

@@ -1072,6 +1072,7 @@ def test_a_save_copies_on_the_devices_what_fits_and_puts_the_rest_in_page_locked
     assert copy["a"].sharding.is_equivalent_to(
         tree["a"].sharding.with_memory_kind("pinned_host"), 2)
     assert copy["step"] == 7
+    assert manager.device_copy(tree, at_save, whole=True) is None  # (every array, or none)
     for name in values:  # (the next step overwrites the state)
       tree[name].delete()
     checkpointer.save(1, {k: copy[k] for k in values}, {"at": 1}, copied=True)

@@ -15,16 +15,17 @@ import numpy as np
 from jmoe.checkpoint import pinned
 
 
-def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats()
-                ) -> Any | None:
+def device_copy(tree: Any, memory_stats: Callable = lambda device: device.memory_stats(), *,
+                whole: bool = False) -> Any | None:
   """`tree` with each of its arrays copied on the devices it lies on, as far as they have room
   for the copies beside their peak so far (a training step's): `copy_split`. The arrays whose
   copies do not fit are put in page-locked host memory by the same program, so that the next
   step, which may overwrite them, waits only for that part of the state to reach the host. None
-  where no copy fits, or some do not and the devices have no page-locked host memory."""
+  where no copy fits, or some do not and the devices have no page-locked host memory (or
+  `whole`: a copy of every array on the devices is wanted)."""
   leaves, treedef = jax.tree.flatten(tree)
   to_host = copy_split(leaves, memory_stats)
-  if to_host is None:
+  if to_host is None or (whole and to_host):
     return None
   for at, program in copy_programs(leaves, to_host):
     for i, x in zip(at, program([leaves[i] for i in at])):
