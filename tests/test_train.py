@@ -403,6 +403,41 @@ def test_a_save_with_a_device_copy_is_handed_over_once_the_next_step_is_launched
                                                          for state, _ in saved[True])))
 
 
+def test_a_periodic_saves_copy_is_let_go_once_its_save_is_written(tmp_path, monkeypatch):
+  """The state's copy for a save beside training holds device memory (and page-locked host
+  memory, for the part that did not fit): once that save is written nothing holds it, though
+  the next save is steps away (the loop held it until then, so two copies met at that save)."""
+  import gc
+  import weakref
+  from jmoe.checkpoint import manager
+  from jmoe.train import loop
+  real_copy = manager.device_copy
+  roomy = lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}
+  copies, alive = [], []
+
+  def copied(tree, *_):
+    copy = real_copy(tree, roomy)
+    copies.append([weakref.ref(x) for x in jax.tree.leaves(copy)])
+    return copy
+
+  monkeypatch.setattr(manager, "device_copy", copied)
+  config = tiny_config(train=dict(steps=5), checkpoint=dict(every=2, keep=5))
+  with loop.Trainer(config, tmp_path / "w", progress=False) as trainer:
+    step_fn = trainer._step_fn
+
+    def launched(state, batch):
+      if trainer.step + 1 in (4, 5):  # (step 2's save handed over at step 3, step 4's at 5)
+        trainer.checkpointer.wait()
+        gc.collect()
+        alive.append([sum(r() is not None for r in refs) for refs in copies])
+      return step_fn(state, batch)
+
+    trainer._step_fn = launched
+    trainer.train()
+  # (at step 5's launch, step 4's copy is not handed over yet: the loop holds it)
+  assert alive == [[0], [0, len(copies[1])]] and len(copies) == 2, alive
+
+
 def test_a_save_from_a_device_copy_outlives_an_error_and_never_holds_non_finite_values(
     tmp_path, monkeypatch):
   """A save whose copy was taken when the next step's batch fails is still made (the error goes

@@ -213,6 +213,7 @@ class Trainer:
           # (before this step's flag is added: the save's health check then reads none of it)
           finish, saving_copy = saving_copy, None
           finish()
+          del finish  # (it holds the state's copy: let go once the save is done with it)
         self.health.add(done, metrics["skipped"])
         evaluate = cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == end)
         # (asked of every process at every step: on several hosts it is a collective)
