@@ -500,12 +500,12 @@ def test_the_gpu_checks_attention_cases_load_apart_from_the_gemm_checks():
   assert len(attention.attention_jobs(attention.ATTENTION_CASES)) == len(attention.ATTENTION_CASES)
 
 
-@pytest.mark.parametrize("room", [True, False])
+@pytest.mark.parametrize("room", [True, False, "part"])
 def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, monkeypatch, room):
   """scripts/loop_timing.py's probe (`keep=False`) times steps on a copy of the trainer's state,
-  on the devices where they have room for one, else on the state itself while a copy waits in
-  host memory: either way the trainer's state after it is the one before, bit for bit, on the
-  same devices, and the loop goes on from it."""
+  on the devices where they have room for all of it, else (no room, or room for part of it
+  only) on the state itself while a copy waits in host memory: either way the trainer's state
+  after it is the one before, bit for bit, on the same devices, and the loop goes on from it."""
   sys.path.insert(0, str(ROOT / "scripts"))
   import jax
   import loop_timing
@@ -514,8 +514,18 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
   from jmoe.train.loop import Trainer
   real_copy = manager.device_copy
   copies = []
-  monkeypatch.setattr(manager, "device_copy", lambda tree, *_: copies.append(tree) or (real_copy(
-      tree, lambda device: {"bytes_limit": 1 << 40, "peak_bytes_in_use": 0}) if room else None))
+
+  def copied(tree, *_, **how):
+    copies.append(tree)
+    if not room:
+      return None
+    state = max(manager.bytes_per_device(jax.tree.leaves(tree)).values())
+    half = state / 2 / 0.95 if room == "part" else 1 << 40  # (room for half the state)
+    stats = lambda device: {"bytes_limit": half, "peak_bytes_in_use": 0}
+    assert bool(manager.copy_split(jax.tree.leaves(tree), stats)) == (room == "part")
+    return real_copy(tree, stats, **how)
+
+  monkeypatch.setattr(manager, "device_copy", copied)
   config = tiny_config(train=dict(steps=4, log_every=1))
   with Trainer(config, tmp_path, progress=False) as trainer:
     trainer.train(2)
@@ -527,7 +537,7 @@ def test_the_loops_bare_step_probe_leaves_the_trainer_where_it_was(tmp_path, mon
     assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(values, after))
     assert [x.sharding for x in after] == [x.sharding for x in before]
     # where the copy was the probe's, the loop's own arrays were never touched
-    assert all(a is b for a, b in zip(before, after)) == room
+    assert all(a is b for a, b in zip(before, after)) == (room is True)
     trainer.train(1)
     assert trainer.step == 3
 
