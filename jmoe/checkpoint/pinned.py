@@ -24,11 +24,17 @@ log = logging.getLogger("jmoe")
 PINNED = "pinned_host"
 
 
+def placed(x: Any) -> bool:
+  """Whether `x` is an array with a placement: a jax.Array, or a ShapeDtypeStruct with a
+  sharding."""
+  return isinstance(x, jax.Array) or (isinstance(x, jax.ShapeDtypeStruct)
+                                      and x.sharding is not None)
+
+
 def has_pinned_host(tree: Any) -> bool:
-  """Whether every array of `tree` (jax.Arrays, or ShapeDtypeStructs with shardings) lies on
-  devices that have page-locked host memory."""
-  arrays = [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) or (
-      isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None)]
+  """Whether every array of `tree` (`placed` leaves) lies on devices that have page-locked host
+  memory."""
+  arrays = [x for x in jax.tree.leaves(tree) if placed(x)]
   devices = {d for x in arrays for d in x.sharding.device_set}
   return bool(arrays) and all(
       any(m.kind == PINNED for m in d.addressable_memories()) for d in devices)

@@ -72,8 +72,7 @@ def copy_split(leaves: list, memory_stats: Callable, peak: int | None = None
   whose copies do not fit in `room_left` (each array taken in order, and copied on the devices
   where it fits beside those copied before it). An empty set: every copy fits; None: none
   fits, or some do not and the devices have no page-locked host memory to put them in."""
-  arrays = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array) or (
-      isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None)]
+  arrays = [i for i, x in enumerate(leaves) if pinned.placed(x)]
   sizes = {i: bytes_per_device([leaves[i]]) for i in arrays}
   left = room_left({d for i in arrays for d in sizes[i]}, memory_stats, peak)
   to_host = set()
