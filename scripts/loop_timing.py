@@ -69,6 +69,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       trainer.checkpointer.wait()
       last_write = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
+      phases = trainer.checkpointer.last_save
       end_s, clocks = bare_step_s(trainer, warmup, keep=True)
   seconds = stepped + last_write
   timed -= untimed
@@ -86,6 +87,10 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       # write, Orbax's finishing, the removal of a step past checkpoint.keep)
       "loop_last_save_call_s": round(last_call, 2),
       "loop_last_save_wait_s": round(last_write - last_call, 2),
+      # and within it, from the save's call: the state on the host, written, finished (Orbax's
+      # finishing and the removal of the step past checkpoint.keep, which took removing_s)
+      **({f"loop_last_save_{k}": None if v is None else round(v, 2)
+          for k, v in dataclasses.asdict(phases).items() if k.endswith("_s")} if phases else {}),
       "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
       if intervals else None,
       # each logged record's (step, tokens/s since the record before): where the loop loses time

@@ -494,6 +494,43 @@ def test_old_steps_are_removed_by_several_threads(tmp_path, monkeypatch):
   own.close()
 
 
+@pytest.mark.parametrize("staging_gb", [0, 3000 / 1e9])
+def test_a_waited_save_reports_where_its_time_went(tmp_path, monkeypatch, caplog, staging_gb):
+  """A save the caller waits for is timed in phases from its call (`Checkpointer.last_save`,
+  logged): its arrays on the host, written, finished, and the removal of the step past `keep`
+  within the finishing; whole or staged. Each phase here is slowed by a known time, so a mark
+  taken at the wrong moment (or not taken) fails. A save beside training is not timed."""
+  import asyncio
+  from jmoe.checkpoint import remover, writer
+  write_part = writer.orbax_arrays._async_serialize_replica_slices
+
+  async def slow_write(*args, **kwargs):
+    await asyncio.sleep(0.3)
+    return await write_part(*args, **kwargs)
+
+  real_remove = remover.remove_in_parallel
+  monkeypatch.setattr(writer.orbax_arrays, "_async_serialize_replica_slices", slow_write)
+  monkeypatch.setattr(remover, "remove_in_parallel",
+                      lambda *args: time.sleep(0.4) or real_remove(*args))
+  checkpointer = Checkpointer(tmp_path / "c", keep=1, staging_gb=staging_gb)
+  state = {f"w{i}": jax.numpy.full((8, 64), i, np.float32) for i in range(3)}  # 2 KiB each
+  checkpointer.save(1, state)  # (beside training: not timed)
+  checkpointer.wait()
+  assert checkpointer.last_save is None
+  with caplog.at_level(logging.INFO, logger="jmoe"):
+    checkpointer.save(2, state, waited=True)
+    checkpointer.wait()
+  times = checkpointer.last_save
+  assert times.step == 2 and times.gib == pytest.approx(3 * 2048 / 2**30)
+  # (staged: three parts, each written 0.3 s after it reached the host, the next taken beside)
+  assert 0 <= times.on_host_s < times.written_s
+  assert times.written_s >= (0.9 if staging_gb else 0.3) - 0.05
+  assert times.removing_s >= 0.4 and times.finished_s >= times.written_s + 0.4
+  assert f"step 2 saved in {times.finished_s:.1f} s" in caplog.text
+  assert "removing steps past checkpoint.keep" in caplog.text
+  checkpointer.close()
+
+
 def test_page_locked_memory_is_reserved_up_to_a_limit(monkeypatch):
   """`pinned.reserve` allocates the state's arrays in order, all of them or, with a limit, until
   they reach it (a staged save's two parts)."""

@@ -557,6 +557,10 @@ def test_the_loops_step_after_each_probe_runs_untimed_unless_it_saves(tmp_path):
   assert figures["loop_probe_steps"] == [2, 5, 8]
   assert figures["loop_untimed_after_probes"] == 1 and figures["loop_timed_steps"] == 7
   assert figures["loop_checkpoints"] == 2  # (steps 6 and 9: every step was taken)
+  # (the last save's phases, from its call: within the time the loop gives it)
+  phases = [figures[f"loop_last_save_{k}_s"] for k in ("on_host", "written", "finished")]
+  assert 0 <= phases[0] <= phases[1] <= phases[2] <= figures["loop_last_write_s"] + 0.05
+  assert figures["loop_last_save_removing_s"] == 0.0  # (keep=5: nothing removed)
   logged = [step for step, _ in figures["loop_intervals"]]
   assert 3 not in logged and {4, 5, 6, 7, 8, 9} <= set(logged), logged
 

@@ -14,6 +14,7 @@ import concurrent.futures
 import logging
 import os
 import pathlib
+import time
 
 import orbax.checkpoint as ocp
 
@@ -50,15 +51,21 @@ def remove_in_parallel(path: pathlib.Path, threads: int) -> None:
 
 class StepRemover(deleter.StandardCheckpointDeleter if deleter else object):
   """Orbax's deleter of old steps (on the primary process, steps found by Orbax's own name
-  format) with `remove_in_parallel` taking `threads` threads."""
+  format) with `remove_in_parallel` taking `threads` threads. `removing_s`: the seconds its
+  removals took since it was last set to 0 (by the save they follow)."""
 
   def __init__(self, directory: pathlib.Path, *, threads: int, **kwargs):
     super().__init__(directory, **kwargs)
     self.threads = threads
+    self.removing_s = 0.0
 
   def _delete_step_permanently(self, step: int, delete_target) -> None:
+    started = time.perf_counter()
     remove_in_parallel(pathlib.Path(delete_target), self.threads)
-    log.debug("checkpoints: removed step %d with %d threads", step, self.threads)
+    seconds = time.perf_counter() - started
+    self.removing_s += seconds
+    log.debug("checkpoints: removed step %d with %d threads in %.2f s", step, self.threads,
+              seconds)
 
 
 def use_step_remover(manager: ocp.CheckpointManager, threads: int) -> StepRemover | None:

@@ -29,6 +29,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -126,13 +127,30 @@ def use_array_writer(threads: int | None = None, *, compressed: bool = True,
   _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed, staged)
 
 
+class SaveMarks:
+  """When the arrays of the save under way last reached the host and were last written
+  (`time.perf_counter()` seconds; None before any), as Orbax reports each batch of them to
+  `TransferOrder`: the phases of a save's time (`Checkpointer.last_save`). jmoe's saves run one
+  at a time, so one set of marks serves them all."""
+
+  def __init__(self):
+    self.clear()
+
+  def clear(self) -> None:
+    self.on_host: float | None = None
+    self.written: float | None = None
+
+
+MARKS = SaveMarks()
+
+
 class TransferOrder:
   """When a save's arrays go to the host (Orbax's serialization callback): all of them before
   Orbax's `save` returns, or, `staged` (with a byte limit on the handler,
   `save_device_host_concurrent_gb`), in parts of at most that many bytes once `save` has
   returned, two parts on the host at most (`ArrayWriter._write_in_parts`): for states nothing
   changes while they are written (a save's own copy on the devices, or a save the caller waits
-  for)."""
+  for). Each batch's end on the host and end of writing are marked in `MARKS`."""
 
   def __init__(self, staged: bool):
     self.staged = staged
@@ -145,13 +163,13 @@ class TransferOrder:
     pass
 
   def on_transfer_end(self, keypath) -> None:
-    pass
+    MARKS.on_host = time.perf_counter()
 
   def on_write_start(self, keypath) -> None:
     pass
 
   def on_write_end(self, keypath) -> None:
-    pass
+    MARKS.written = time.perf_counter()
 
 
 class ArrayWriter(ocp.type_handlers.ArrayHandler):
