@@ -24,7 +24,6 @@ Reading and restoring: `CheckpointReader` (jmoe/checkpoint/reader.py), which thi
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import logging
 import os
@@ -57,31 +56,6 @@ TRANSFER_LEAD_S = 10.0
 def _gib(leaves: list) -> float:
   """The GiB the arrays among `leaves` hold on the device that holds the most of them."""
   return max(bytes_per_device(leaves).values(), default=0) / 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveTimes:
-  """Where a save the caller waited for (`save(..., waited=True)`, then `wait`) spent its time,
-  in seconds from the call of `save`: until its arrays were on the host and until they were
-  written (None where Orbax reported no array), until `wait` returned (Orbax's finishing: the
-  step's metadata, its directory renamed, and the removal of steps past `keep`, which took
-  `removing_s`)."""
-
-  step: int
-  gib: float  # the state's bytes on the device that holds the most of them
-  on_host_s: float | None
-  written_s: float | None
-  finished_s: float
-  removing_s: float
-
-  def summary(self) -> str:
-    marks = [f"{what} after {s:.1f} s" for what, s in (("on the host", self.on_host_s),
-                                                      ("written", self.written_s))
-             if s is not None]
-    if self.removing_s:
-      marks.append(f"{self.removing_s:.1f} s of it removing steps past checkpoint.keep")
-    return (f"step {self.step} saved in {self.finished_s:.1f} s ({self.gib:.1f} GiB"
-            f"{': ' if marks else ''}{', '.join(marks)})")
 
 
 class Checkpointer(CheckpointReader):
@@ -151,7 +125,7 @@ class Checkpointer(CheckpointReader):
     self._in_parts: bool | None = None  # page-locked memory was reserved for two parts only
     self._compiling: list[threading.Thread] = []  # the state's device copy being compiled
     self._timing: tuple[int, float, float] | None = None  # a waited save's (step, start, GiB)
-    self.last_save: SaveTimes | None = None  # the last waited save's, once waited for
+    self.last_save: writer.SaveTimes | None = None  # the last waited save's, once waited for
     self._quiet = os.environ.get("JMOE_DEBUG", "") in ("", "0")
     if self._quiet:
       _quiet_saves(True)
@@ -361,17 +335,10 @@ class Checkpointer(CheckpointReader):
     except Exception as e:  # noqa: BLE001
       raise self._failed(step, e) from None
     if self._timing is not None:
-      self.last_save = self._times(*self._timing)
+      removing_s = self._remover.removing_s if self._remover is not None else 0.0
+      self.last_save = writer.MARKS.times(*self._timing, removing_s=removing_s)
       self._timing = None
       log.info("checkpoints: %s", self.last_save.summary())
-
-  def _times(self, step: int, started: float, gib: float) -> SaveTimes:
-    """The phases of the save of `step`, called at `started`, now that it is finished."""
-    since = lambda mark: None if mark is None else mark - started
-    return SaveTimes(step=step, gib=gib, on_host_s=since(writer.MARKS.on_host),
-                     written_s=since(writer.MARKS.written),
-                     finished_s=time.perf_counter() - started,
-                     removing_s=self._remover.removing_s if self._remover is not None else 0.0)
 
   def _failed(self, step: int | None, error: Exception) -> ConfigError:
     """The message for the failed save of `step`, once what it wrote is removed."""

@@ -25,6 +25,7 @@ either way share one directory.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
@@ -127,6 +128,31 @@ def use_array_writer(threads: int | None = None, *, compressed: bool = True,
   _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed, staged)
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveTimes:
+  """Where a save the caller waited for (`save(..., waited=True)`, then `wait`) spent its time,
+  in seconds from the call of `save`: until its arrays were on the host and until they were
+  written (None where Orbax reported no array), until `wait` returned (Orbax's finishing: the
+  step's metadata, its directory renamed, and the removal of steps past `keep`, which took
+  `removing_s`)."""
+
+  step: int
+  gib: float  # the state's bytes on the device that holds the most of them
+  on_host_s: float | None
+  written_s: float | None
+  finished_s: float
+  removing_s: float
+
+  def summary(self) -> str:
+    marks = [f"{what} after {s:.1f} s" for what, s in (("on the host", self.on_host_s),
+                                                      ("written", self.written_s))
+             if s is not None]
+    if self.removing_s:
+      marks.append(f"{self.removing_s:.1f} s of it removing steps past checkpoint.keep")
+    return (f"step {self.step} saved in {self.finished_s:.1f} s ({self.gib:.1f} GiB"
+            f"{': ' if marks else ''}{', '.join(marks)})")
+
+
 class SaveMarks:
   """When the arrays of the save under way last reached the host and were last written
   (`time.perf_counter()` seconds; None before any), as Orbax reports each batch of them to
@@ -139,6 +165,13 @@ class SaveMarks:
   def clear(self) -> None:
     self.on_host: float | None = None
     self.written: float | None = None
+
+  def times(self, step: int, started: float, gib: float, *, removing_s: float) -> SaveTimes:
+    """The phases of the save of `step` (`gib`), called at `started`, now that it is finished."""
+    since = lambda mark: None if mark is None else mark - started
+    return SaveTimes(step=step, gib=gib, on_host_s=since(self.on_host),
+                     written_s=since(self.written), finished_s=time.perf_counter() - started,
+                     removing_s=removing_s)
 
 
 MARKS = SaveMarks()
