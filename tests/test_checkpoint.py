@@ -514,6 +514,8 @@ def test_a_waited_save_reports_where_its_time_went(tmp_path, monkeypatch, caplog
                       lambda *args: time.sleep(0.4) or real_remove(*args))
   checkpointer = Checkpointer(tmp_path / "c", keep=1, staging_gb=staging_gb)
   state = {f"w{i}": jax.numpy.full((8, 64), i, np.float32) for i in range(3)}  # 2 KiB each
+  rows = NamedSharding(jax.make_mesh((8,), ("x",)), PartitionSpec("x"))
+  state["w0"] = jax.device_put(state["w0"], rows)  # (a sharded array counts whole)
   checkpointer.save(1, state)  # (beside training: not timed)
   checkpointer.wait()
   assert checkpointer.last_save is None

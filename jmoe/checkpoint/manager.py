@@ -243,7 +243,8 @@ class Checkpointer(CheckpointReader):
       self._remover.removing_s = 0.0
     writer.MARKS.clear()
     if waited:
-      self._timing = (step, started, _gib(jax.tree.leaves(state)))
+      self._timing = (step, started, sum(x.nbytes for x in jax.tree.leaves(state)
+                                         if isinstance(x, jax.Array)) / 2**30)
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there. A
     # save the caller waits for takes the state to the host as it is (a copy would only cost

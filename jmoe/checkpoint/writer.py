@@ -137,7 +137,7 @@ class SaveTimes:
   `removing_s`)."""
 
   step: int
-  gib: float  # the state's bytes on the device that holds the most of them
+  gib: float  # the state's arrays, whole (the bytes the step's checkpoint holds uncompressed)
   on_host_s: float | None
   written_s: float | None
   finished_s: float
