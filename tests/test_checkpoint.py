@@ -528,9 +528,15 @@ def test_a_waited_save_reports_where_its_time_went(tmp_path, monkeypatch, caplog
   assert 0 <= times.on_host_s < times.written_s
   assert times.written_s >= (0.9 if staging_gb else 0.3) - 0.05
   assert times.removing_s >= 0.4 and times.finished_s >= times.written_s + 0.4
-  assert f"step 2 saved in {times.finished_s:.1f} s" in caplog.text
+  assert f"step 2 saved in {times.finished_s:.1f} s (0.0 MiB: on the host after" in caplog.text
   assert "removing steps past checkpoint.keep" in caplog.text
   checkpointer.close()
+  line = writer.SaveTimes(step=600, gib=31.3, on_host_s=2.65, written_s=3.56, finished_s=4.17,
+                          removing_s=0.53).summary()
+  assert line == ("step 600 saved in 4.2 s (31.3 GiB: on the host after 2.6 s, written after "
+                  "3.6 s, 0.5 s of it removing steps past checkpoint.keep)")
+  assert writer.SaveTimes(step=1, gib=0.5, on_host_s=None, written_s=None, finished_s=0.04,
+                          removing_s=0.0).summary() == "step 1 saved in 0.0 s (512.0 MiB)"
 
 
 def test_page_locked_memory_is_reserved_up_to_a_limit(monkeypatch):

@@ -149,7 +149,8 @@ class SaveTimes:
              if s is not None]
     if self.removing_s:
       marks.append(f"{self.removing_s:.1f} s of it removing steps past checkpoint.keep")
-    return (f"step {self.step} saved in {self.finished_s:.1f} s ({self.gib:.1f} GiB"
+    size = f"{self.gib:.1f} GiB" if self.gib >= 1 else f"{self.gib * 1024:.1f} MiB"
+    return (f"step {self.step} saved in {self.finished_s:.1f} s ({size}"
             f"{': ' if marks else ''}{', '.join(marks)})")
 
 
