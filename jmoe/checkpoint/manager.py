@@ -235,7 +235,6 @@ class Checkpointer(CheckpointReader):
       return
     self.wait()
     self.wait_reserved()  # (long done, unless the first save comes within seconds)
-    started = time.perf_counter()
     beside = self._async and not waited  # (training goes on while this save is written)
     if self._remover is not None:  # (the step past `keep`, removed once this one is written)
       self._remover.threads = (writer.write_threads(self._write_threads) if beside else
@@ -243,8 +242,8 @@ class Checkpointer(CheckpointReader):
       self._remover.removing_s = 0.0
     writer.MARKS.clear()
     if waited:
-      self._timing = (step, started, sum(x.nbytes for x in jax.tree.leaves(state)
-                                         if isinstance(x, jax.Array)) / 2**30)
+      nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if isinstance(x, jax.Array))
+      self._timing = (step, time.perf_counter(), nbytes / 2**30)
     # With several processes Orbax's save meets the others at barriers that are device
     # collectives, which must not run beside a step's from another thread: foreground there. A
     # save the caller waits for takes the state to the host as it is (a copy would only cost
