@@ -1,6 +1,6 @@
 """Training-step speed: one JSON line per run, for docs/PERFORMANCE.md and docs/perf/records.jsonl.
 
-  python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3]
+  python scripts/benchmark.py --config configs/bench/NAME.py [--steps 10] [--warmup 3] [--settle S]
       [--balanced] [--packed] [--profile DIR] [--peer [transformers|torchtitan|all]]
       [--loop STEPS [--loop-probes 3]] [--record FILE]
       [--no-xla-flags] [--config.group.key=value ...]
@@ -8,7 +8,10 @@
 Runs jmoe's own train step (the one `jmoe.train` compiles) on random tokens, one document per row as
 published MoE benchmarks use, or with `--packed` on rows the data pipeline packs from several
 documents (segment ids and positions: attention and loss stay within each document): warm-up
-steps, then timed steps with one device sync at the end. Reports tokens/s and model TFLOP/s per
+steps, then (with `--settle S`) untimed steps for S seconds, so that the timed ones run at the clock a
+long run holds at the power cap, not at the higher one a GPU keeps for a few steps after a pause
+(scripts/gpu_clocks.py; `settle_s`, `settle_steps`; the peers settle as long), then timed steps
+with one device sync at the end. Reports tokens/s and model TFLOP/s per
 device (Megatron's count: jmoe/train/flops.py), MFU against the datasheet's dense bf16 peak (989
 TFLOP/s for H100/H200) and against a dense bf16 GEMM measured in the same process, the step time
 and the peak device memory, and the GPUs' mean SM clock, power draw and share of time at their
@@ -47,7 +50,7 @@ import subprocess
 import sys
 import time
 
-from gpu_clocks import GpuClocks
+from gpu_clocks import GpuClocks, settle
 from loop_timing import loop_figures
 from profile_kernels import kernel_breakdown
 
@@ -128,6 +131,7 @@ def with_peers(argv: list[str], args: argparse.Namespace, overrides: list[str]) 
   for name in PEERS if args.peer == "all" else (args.peer,):
     script, prefix = PEERS[name]
     extra = ["--balanced"] if args.balanced and name == "torchtitan" else []
+    extra += ["--settle", str(args.settle)] if args.settle else []
     figures, error = last_json([sys.executable, str(pathlib.Path(__file__).with_name(script)),
                                 "--config", args.config, *extra, *overrides])
     if figures is None:
@@ -148,7 +152,9 @@ def peer_fields(figures: dict, tflops: float, prefix: str = "peer") -> dict:
             f"{prefix}_tflops_per_device": figures["tflops_per_device"],
             f"{prefix}_peak_memory_gib": figures["peak_memory_gib"],
             f"vs_{prefix}": round(tflops / figures["tflops_per_device"], 3)}
-  for key in ("compile", "routing", "params"):  # the torchtitan peer's own
+  # its settling and its GPU's clocks (where nvidia-smi sampled them), the torchtitan peer's own
+  for key in ("settle_s", "settle_steps", "gpu_sm_clock_mhz", "gpu_power_w", "gpu_power_capped",
+              "compile", "routing", "params"):
     if key in figures:
       fields[f"{prefix}_{key}"] = figures[key]
   return fields
@@ -173,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=3)
+  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                      help="untimed steps for SECONDS after the warm-up (each peer's too), so "
+                           "that the timed steps run at the clock a long run holds")
   parser.add_argument("--balanced", action="store_true", help="force equal expert loads")
   parser.add_argument("--no-xla-flags", action="store_true", help="leave XLA_FLAGS as they are")
   parser.add_argument("--profile", metavar="DIR",
@@ -194,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
+  if not 0 <= args.settle < float("inf"):
+    parser.error(f"--settle {args.settle:g}: give a number of seconds, 0 or more")
   if args.loop_probes < 0:
     parser.error(f"--loop-probes {args.loop_probes}: give 0 or more")
   if args.loop is not None and args.loop <= args.warmup:
@@ -248,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
       state, metrics = step(state, batch)
       first = first or jax.device_get({k: metrics[k] for k in ("loss", "grad_norm")})
     jax.block_until_ready(state)
+
+    def untimed():
+      nonlocal state
+      state, _ = step(state, batch)
+    settled = settle(untimed, lambda: jax.block_until_ready(state), args.settle)
     with GpuClocks() as clocks:
       t0 = time.perf_counter()
       for _ in range(args.steps):
@@ -297,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_grad_norm": round(float(first["grad_norm"]), 5) if first else None,
         "expert_load_max_over_mean": round(float(load_LE.max() * load_LE.shape[-1]), 3)
         if load_LE.size else None,
-        "compile_s": round(compile_s, 1), **clocks.figures()}
+        "compile_s": round(compile_s, 1), **settled, **clocks.figures()}
     if breakdown is not None:
       record["profile"] = breakdown
     if args.loop:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 
 
 class GpuClocks:
@@ -53,3 +54,18 @@ def clock_figures(samples: str) -> dict:
           "gpu_power_w": round(sum(r[1] for r in rows) / len(rows), 1),
           "gpu_power_capped": round(sum(bool(r[2] & GpuClocks.POWER_CAP) for r in rows)
                                     / len(rows), 2)}
+
+
+def settle(step, sync, seconds: float) -> dict:
+  """Runs `step()` untimed, `sync()` after each, until `seconds` of them have passed: a few
+  steps after a pause run at a clock the GPU holds only until its power and heat catch up (an
+  H200 on Qwen3-30B-A3B's bench, 2026-12-07: 1,838 MHz over 5 steps after 2, 1,675 MHz over
+  the 600 steps of a run), so timed steps after these are the speed a long run keeps.
+  Returns `settle_s` (the seconds they took, 0 when `seconds` is 0) and `settle_steps`."""
+  steps, t0 = 0, time.perf_counter()
+  while seconds > 0 and time.perf_counter() - t0 < seconds:
+    step()
+    sync()
+    steps += 1
+  return {"settle_s": round(time.perf_counter() - t0, 1) if steps else 0.0,
+          "settle_steps": steps}

@@ -2,6 +2,7 @@
 
   python scripts/hf_peer.py --config configs/bench/qwen3_30b_a3b_1gpu.py
       [--experts-implementation grouped_mm] [--attn-implementation auto] [--steps 5] [--warmup 2]
+      [--settle S]
 
 Builds the transformers model that `jmoe.convert export-hf` would write for the config (its
 architecture from `model.family`), with random weights in bf16, the fastest attention transformers
@@ -48,25 +49,29 @@ def build_model(architecture, hf_config, choices: tuple[str, ...], **kwargs):
   return model, model.config._attn_implementation
 
 
-def timed_steps(step, warmup: int, steps: int, config) -> dict:
-  """`step()` (a PyTorch training step returning its loss) run `warmup` times, then timed over
-  `steps` more with the GPU synced around them: the figures every peer prints, the model FLOPs
-  counted by jmoe (jmoe.train.flops) for `config`'s batch."""
+def timed_steps(step, warmup: int, steps: int, config, settle_s: float = 0.0) -> dict:
+  """`step()` (a PyTorch training step returning its loss) run `warmup` times, then for
+  `settle_s` seconds (gpu_clocks.settle), then timed over `steps` more with the GPU synced around
+  them: the figures every peer prints, the model FLOPs counted by jmoe (jmoe.train.flops) for
+  `config`'s batch, and the GPU's clocks over the timed steps, as scripts/benchmark.py's."""
   import torch
+  from gpu_clocks import GpuClocks, settle  # (this script's folder is on sys.path)
   from jmoe.train.flops import model_flops_per_token
   for _ in range(warmup):
     step()
   torch.cuda.synchronize()
-  t0 = time.perf_counter()
-  for _ in range(steps):
-    loss = step()
-  torch.cuda.synchronize()
-  step_s = (time.perf_counter() - t0) / steps
+  settled = settle(step, torch.cuda.synchronize, settle_s)
+  with GpuClocks() as clocks:
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      loss = step()
+    torch.cuda.synchronize()
+    step_s = (time.perf_counter() - t0) / steps
   tokens_per_s = config.train.batch_size * config.data.seq_len / step_s
   return {"step_ms": round(step_s * 1e3, 2), "tokens_per_s_per_device": round(tokens_per_s),
           "tflops_per_device": round(tokens_per_s * model_flops_per_token(config) / 1e12, 1),
           "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-          "loss": round(float(loss.detach()), 4)}
+          "loss": round(float(loss.detach()), 4), **settled, **clocks.figures()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="auto: the fastest transformers accepts for the architecture")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                      help="untimed steps for SECONDS after the warm-up")
   from jmoe.cli import split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     optimizer.zero_grad(set_to_none=True)
     return loss
 
-  figures = timed_steps(step, args.warmup, args.steps, config)
+  figures = timed_steps(step, args.warmup, args.steps, config, args.settle)
   print(json.dumps({
       "peer": f"transformers {transformers.__version__} / torch {torch.__version__}",
       "config": args.config, "architecture": family.architecture,

@@ -2,7 +2,7 @@
 trainer trains it on one GPU.
 
   python scripts/titan_peer.py --config configs/bench/qwen3_30b_a3b_1gpu.py
-      [--balanced] [--attention auto|sdpa|flex] [--no-compile] [--steps 5] [--warmup 2]
+      [--balanced] [--attention auto|sdpa|flex] [--no-compile] [--steps 5] [--warmup 2] [--settle S]
       [--config.group.key=value ...]
 
 Builds torchtitan's model of the config's family (`model.family`: qwen3_moe -> its Qwen3 with MoE
@@ -260,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--no-compile", action="store_true", help="eager blocks and loss")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=2)
+  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+                      help="untimed steps for SECONDS after the warm-up")
   from jmoe.cli import run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)
@@ -308,7 +310,7 @@ def peer(args: argparse.Namespace, overrides: list[str]) -> int:
     return loss
 
   from hf_peer import timed_steps  # (this script's folder is on sys.path)
-  figures = timed_steps(step, args.warmup, args.steps, config)
+  figures = timed_steps(step, args.warmup, args.steps, config, args.settle)
   print(json.dumps({
       "peer": f"torchtitan {titan.version} / torch {torch.__version__}",
       "config": args.config, "architecture": spec["model"],

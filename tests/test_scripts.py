@@ -50,7 +50,8 @@ def test_benchmark_prints_its_figures(tmp_path):
   result = subprocess.run(
       [sys.executable, "scripts/benchmark.py", "--config", "configs/tiny_moe.py", "--steps", "2",
        "--warmup", "1", "--balanced", "--config.train.batch_size=4", "--config.data.seq_len=32",
-       "--config.model.num_layers=2", "--loop", "3", "--config.checkpoint.every=2"],
+       "--config.model.num_layers=2", "--loop", "3", "--config.checkpoint.every=2",
+       "--settle", "0.5"],
       cwd=ROOT, capture_output=True, text=True, timeout=240,
       env=command_env())
   assert result.returncode == 0, result.stderr[-3000:]
@@ -58,6 +59,8 @@ def test_benchmark_prints_its_figures(tmp_path):
   assert record["routing"] == "balanced" and record["expert_load_max_over_mean"] == 1.0
   assert record["gemm"] == "ragged_dot" and record["tokens_per_s_per_device"] > 0
   assert 0 < record["mfu_measured_gemm"] and record["tflops_per_device"] > 0
+  # untimed steps for half a second between the warm-up and the timed steps
+  assert record["settle_s"] >= 0.5 and record["settle_steps"] >= 1
   # jmoe.train's loop as train.steps=3 runs it, timed after 1 warm-up step: a checkpoint at
   # step 2 and the last at step 3
   assert record["loop_steps"] == 3 and record["loop_timed_steps"] == 2
@@ -294,6 +297,52 @@ def test_benchmark_peer_choices_keep_their_fields_apart():
   assert titan["peer_torchtitan"] == "p" and titan["vs_peer_torchtitan"] == 2.0
   assert titan["peer_torchtitan_compile"] == "per block" and titan["peer_torchtitan_params"] == 7
   assert not set(titan) & set(old)
+  # a peer's settling and clocks under its own prefix
+  clocked = bench.peer_fields(dict(figures, settle_s=30.1, settle_steps=12, gpu_sm_clock_mhz=1700,
+                                   gpu_power_w=690.0, gpu_power_capped=1.0), 100.0, "peer")
+  assert {k: v for k, v in clocked.items() if k not in old} == {
+      "peer_settle_s": 30.1, "peer_settle_steps": 12, "peer_gpu_sm_clock_mhz": 1700,
+      "peer_gpu_power_w": 690.0, "peer_gpu_power_capped": 1.0}
+
+
+def test_benchmark_settles_its_peers_as_long_as_itself(monkeypatch, tmp_path, capsys):
+  """--settle S reaches each peer's command (and only when S is above 0); a bad S is refused
+  before anything runs."""
+  bench = scripts_module("benchmark")
+  commands = []
+
+  def last_json(command):
+    commands.append(command)
+    return ({"tflops_per_device": 100.0} if command[1].endswith("benchmark.py") else
+            {"peer": "p", "experts_implementation": "e", "attention": "a", "step_ms": 1.0,
+             "tokens_per_s_per_device": 1, "tflops_per_device": 50.0, "peak_memory_gib": 1.0},
+            "")
+  monkeypatch.setattr(bench, "last_json", last_json)
+  for settle, expected in ((["--settle", "2.5"], ["--settle", "2.5"]), ([], [])):
+    commands.clear()
+    assert bench.main(["--config", "c.py", "--peer", "all", *settle, "--config.a.b=1"]) == 0
+    jmoe, *peers = commands
+    assert jmoe[2:] == ["--config", "c.py", *settle, "--config.a.b=1"]
+    assert [c[1].rsplit("/", 1)[-1] for c in peers] == ["hf_peer.py", "titan_peer.py"]
+    assert all(c[2:] == ["--config", "c.py", *expected, "--config.a.b=1"] for c in peers)
+  for bad in ("-1", "nan", "inf"):
+    with pytest.raises(SystemExit):
+      bench.main(["--config", "c.py", "--settle", bad])
+    assert "--settle" in capsys.readouterr().err
+
+
+def test_settle_runs_synced_steps_until_its_time_has_passed():
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import time
+  import gpu_clocks
+  calls = []
+  figures = gpu_clocks.settle(lambda: (calls.append("step"), time.sleep(0.01)),
+                              lambda: calls.append("sync"), 0.05)
+  assert calls == ["step", "sync"] * figures["settle_steps"]  # each step synced
+  assert 1 <= figures["settle_steps"] <= 6 and figures["settle_s"] >= 0.05
+  calls.clear()
+  assert gpu_clocks.settle(lambda: calls.append("step"), lambda: None, 0) == {
+      "settle_s": 0.0, "settle_steps": 0} and not calls
 
 
 def test_save_cost_times_the_steps_beside_each_kind_of_save(tmp_path):
