@@ -50,7 +50,7 @@ import subprocess
 import sys
 import time
 
-from gpu_clocks import GpuClocks, settle
+from gpu_clocks import GpuClocks, settle, settle_seconds
 from loop_timing import loop_figures
 from profile_kernels import kernel_breakdown
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--settle", type=float, default=0.0, metavar="SECONDS",
+  parser.add_argument("--settle", type=settle_seconds, default=0.0, metavar="SECONDS",
                       help="untimed steps for SECONDS after the warm-up (each peer's too), so "
                            "that the timed steps run at the clock a long run holds")
   parser.add_argument("--balanced", action="store_true", help="force equal expert loads")
@@ -203,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   rest, overrides = split_overrides(argv)
   args = parser.parse_args(rest)
-  if not 0 <= args.settle < float("inf"):
-    parser.error(f"--settle {args.settle:g}: give a number of seconds, 0 or more")
   if args.loop_probes < 0:
     parser.error(f"--loop-probes {args.loop_probes}: give 0 or more")
   if args.loop is not None and args.loop <= args.warmup:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import shutil
 import subprocess
 import time
@@ -69,3 +71,14 @@ def settle(step, sync, seconds: float) -> dict:
     steps += 1
   return {"settle_s": round(time.perf_counter() - t0, 1) if steps else 0.0,
           "settle_steps": steps}
+
+
+def settle_seconds(text: str) -> float:
+  """`--settle`'s value (argparse's `type`): seconds, 0 or more."""
+  try:
+    seconds = float(text)
+  except ValueError:
+    seconds = math.nan
+  if not 0 <= seconds < math.inf:
+    raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds, 0 or more")
+  return seconds

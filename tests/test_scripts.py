@@ -325,10 +325,12 @@ def test_benchmark_settles_its_peers_as_long_as_itself(monkeypatch, tmp_path, ca
     assert jmoe[2:] == ["--config", "c.py", *settle, "--config.a.b=1"]
     assert [c[1].rsplit("/", 1)[-1] for c in peers] == ["hf_peer.py", "titan_peer.py"]
     assert all(c[2:] == ["--config", "c.py", *expected, "--config.a.b=1"] for c in peers)
-  for bad in ("-1", "nan", "inf"):
-    with pytest.raises(SystemExit):
-      bench.main(["--config", "c.py", "--settle", bad])
-    assert "--settle" in capsys.readouterr().err
+  peers = [scripts_module(name).main for name in ("hf_peer", "titan_peer")]
+  for main in (bench.main, *peers):  # each refuses before it builds anything
+    for bad in ("-1", "nan", "inf", "soon"):
+      with pytest.raises(SystemExit):
+        main(["--config", "c.py", "--settle", bad])
+      assert f"--settle: '{bad}': give a number of seconds" in capsys.readouterr().err
 
 
 def test_settle_runs_synced_steps_until_its_time_has_passed():
