@@ -50,7 +50,7 @@ import subprocess
 import sys
 import time
 
-from gpu_clocks import GpuClocks, settle, settle_seconds
+from gpu_clocks import GpuClocks, add_settle_flag, settle
 from loop_timing import loop_figures
 from profile_kernels import kernel_breakdown
 
@@ -179,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--config", required=True)
   parser.add_argument("--steps", type=int, default=10)
   parser.add_argument("--warmup", type=int, default=3)
-  parser.add_argument("--settle", type=settle_seconds, default=0.0, metavar="SECONDS",
-                      help="untimed steps for SECONDS after the warm-up (each peer's too), so "
-                           "that the timed steps run at the clock a long run holds")
+  add_settle_flag(parser, "untimed steps for SECONDS after the warm-up (each peer's too), so "
+                          "that the timed steps run at the clock a long run holds")
   parser.add_argument("--balanced", action="store_true", help="force equal expert loads")
   parser.add_argument("--no-xla-flags", action="store_true", help="leave XLA_FLAGS as they are")
   parser.add_argument("--profile", metavar="DIR",

@@ -73,6 +73,12 @@ def settle(step, sync, seconds: float) -> dict:
           "settle_steps": steps}
 
 
+def add_settle_flag(parser: argparse.ArgumentParser,
+                    help: str = "untimed steps for SECONDS after the warm-up") -> None:
+  """`--settle SECONDS` (default 0) on a timing script's `parser`, checked by `settle_seconds`."""
+  parser.add_argument("--settle", type=settle_seconds, default=0.0, metavar="SECONDS", help=help)
+
+
 def settle_seconds(text: str) -> float:
   """`--settle`'s value (argparse's `type`): seconds, 0 or more."""
   try:

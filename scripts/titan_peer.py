@@ -260,9 +260,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--no-compile", action="store_true", help="eager blocks and loss")
   parser.add_argument("--steps", type=int, default=5)
   parser.add_argument("--warmup", type=int, default=2)
-  from gpu_clocks import settle_seconds  # (this script's folder is on sys.path)
-  parser.add_argument("--settle", type=settle_seconds, default=0.0, metavar="SECONDS",
-                      help="untimed steps for SECONDS after the warm-up")
+  from gpu_clocks import add_settle_flag  # (this script's folder is on sys.path)
+  add_settle_flag(parser)
   from jmoe.cli import run, split_overrides
   rest, overrides = split_overrides(sys.argv[1:] if argv is None else argv)
   args = parser.parse_args(rest)

@@ -305,7 +305,7 @@ def test_benchmark_peer_choices_keep_their_fields_apart():
       "peer_gpu_power_w": 690.0, "peer_gpu_power_capped": 1.0}
 
 
-def test_benchmark_settles_its_peers_as_long_as_itself(monkeypatch, tmp_path, capsys):
+def test_benchmark_settles_its_peers_as_long_as_itself(monkeypatch, capsys):
   """--settle S reaches each peer's command (and only when S is above 0); a bad S is refused
   before anything runs."""
   bench = scripts_module("benchmark")
@@ -334,9 +334,8 @@ def test_benchmark_settles_its_peers_as_long_as_itself(monkeypatch, tmp_path, ca
 
 
 def test_settle_runs_synced_steps_until_its_time_has_passed():
-  sys.path.insert(0, str(ROOT / "scripts"))
   import time
-  import gpu_clocks
+  gpu_clocks = scripts_module("gpu_clocks")
   calls = []
   figures = gpu_clocks.settle(lambda: (calls.append("step"), time.sleep(0.01)),
                               lambda: calls.append("sync"), 0.05)
