@@ -2,7 +2,7 @@
 beside the rate of plain file writes of the same bytes.
 
   python scripts/save_rate.py [--gib 18] [--file-mib 64] [--threads default] [--raw-threads 0]
-      [--staging-gb 0] [--repeats 2] DIR [DIR ...]
+      [--staging-gb 0] [--parts-gb 1] [--repeats 2] DIR [DIR ...]
 
 The state is a Qwen3-30B-A3B-like stack of expert weights (bf16) and AdamW moments (float32),
 random, on the default device, each array a Variable whose leading axes are layers and experts,
@@ -19,7 +19,12 @@ threads of each of TensorStore's two pools for the save (`default`: jmoe's for t
 waits for, two per core; TensorStore's own pools take one copying thread per core);
 `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at once; above 0, parts
 of that many GB, each taken while the one before is written, and `save` returns written:
-`to_host_s` then holds the whole save). First, for each directory and file size, the
+`to_host_s` then holds the whole save); `--parts-gb`: the Checkpointer's `waited_parts_gb`, for
+saves not staged (0: every array on the host before the first is written, `save` returning
+then; above 0, the default 1, parts of that many GB each written as soon as it is there, beside
+the parts before, and `save` returns written). Each line also gives the save's own phases
+(`on_host_s`, `written_s`, `finished_s`: `Checkpointer.last_save`). First, for each directory
+and file size, the
 same bytes, fetched to the host beforehand, are written as plain files of that size by each of
 `--raw-threads` threads (0: one per core) and removed (`raw_gb_per_s`: what the file system and
 the host's memory allow); that host copy is let go before the saves. Until 2026-12-06 the save
@@ -32,6 +37,7 @@ an error.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -83,6 +89,17 @@ def raw_write(arrays: dict, directory: pathlib.Path, file_bytes: int, threads: i
   return seconds
 
 
+def gigabytes(text: str, name: str, parser) -> list[float]:
+  """`text`'s comma-separated numbers of GB, 0 or more."""
+  try:
+    out = [float(x) for x in text.split(",")]
+  except ValueError:
+    out = [-1.0]
+  if not all(0 <= x < float("inf") for x in out):
+    parser.error(f"{name}: each is a number of GB, 0 or more, not {text!r}")
+  return out
+
+
 def numbers(text: str, name: str, parser, *, default: str | None = None,
             zero: bool = False) -> list:
   """`text`'s comma-separated whole numbers, above 0 (or 0 too, with `zero`), and `default` as
@@ -109,17 +126,14 @@ def main(argv=None) -> int:
   parser.add_argument("--threads", default="default")
   parser.add_argument("--raw-threads", default="0")
   parser.add_argument("--staging-gb", default="0")
+  parser.add_argument("--parts-gb", default="1")
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args(argv)
   file_mibs = numbers(args.file_mib, "--file-mib", parser)
   thread_counts = numbers(args.threads, "--threads", parser, default="default")
   raw_counts = numbers(args.raw_threads, "--raw-threads", parser, zero=True)
-  try:
-    stagings = [float(x) for x in args.staging_gb.split(",")]
-  except ValueError:
-    stagings = [-1.0]
-  if min(stagings) < 0:
-    parser.error(f"--staging-gb: each is a number of GB, 0 or more, not {args.staging_gb!r}")
+  stagings = gigabytes(args.staging_gb, "--staging-gb", parser)
+  parts = gigabytes(args.parts_gb, "--parts-gb", parser)
   if args.repeats < 1:
     parser.error(f"--repeats: 1 or more, not {args.repeats}")
   for d in args.dirs:
@@ -134,10 +148,13 @@ def main(argv=None) -> int:
     try:
       for mib in file_mibs:
         writer.DATA_FILE_BYTES = mib * 2**20
-        for threads, staging in ((t, g) for t in thread_counts for g in stagings):
+        # (the parts of a save not staged; a staged one takes its own)
+        runs = [(t, g, p) for t in thread_counts for g in stagings
+                for p in (parts if not g else [None])]
+        for threads, staging, part in runs:
           common = {"dir": str(d), "file_mib": mib, "threads": threads or "default",
-                    "staging_gb": staging}
-          for line in saves(state, d, threads, args.repeats, staging):
+                    "staging_gb": staging, "parts_gb": part}
+          for line in saves(state, d, threads, args.repeats, staging, part or 0.0):
             print(json.dumps({**common, "state_gib": round(nbytes / 2**30, 2), **line,
                               "gb_per_s": round(nbytes / line["seconds"] / 1e9, 2),
                               "write_gb_per_s": round(nbytes / max(line["write_s"], 1e-9) / 1e9,
@@ -167,12 +184,12 @@ def plain_writes(state, dirs, file_mibs, thread_counts) -> dict:
   return out
 
 
-def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb: float = 0.0
-          ) -> list[dict]:
+def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb: float = 0.0,
+          parts_gb: float = 0.0) -> list[dict]:
   """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
   from jmoe.checkpoint import Checkpointer
   checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads or 0,
-                              staging_gb=staging_gb)
+                              staging_gb=staging_gb, waited_parts_gb=parts_gb)
   out = []
   try:
     checkpointer.reserve_host_memory(state)
@@ -183,8 +200,10 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
       to_host = time.perf_counter() - started
       checkpointer.wait()
       seconds = time.perf_counter() - started
+      phases = {k: None if v is None else round(v, 2)
+                for k, v in dataclasses.asdict(checkpointer.last_save).items() if k.endswith("_s")}
       out.append({"repeat": repeat, "seconds": round(seconds, 2), "to_host_s": round(to_host, 2),
-                  "write_s": round(seconds - to_host, 2),
+                  "write_s": round(seconds - to_host, 2), **phases,
                   "on_disk_gib": round(on_disk(d / str(repeat + 1)) / 2**30, 2)})
   finally:
     checkpointer.close()

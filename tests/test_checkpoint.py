@@ -381,12 +381,12 @@ def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, mo
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
   real_copy = manager.device_copy
   staged = Checkpointer(tmp_path / "s", keep=5, staging_gb=3000 / 1e9)
-  plain = Checkpointer(tmp_path / "p", keep=5)
+  plain = Checkpointer(tmp_path / "p", keep=5, waited_parts_gb=0)
   # (checkpointer, step, room for a copy, waited, the order wanted, at save's return)
   cases = [(staged, 1, False, True, one_by_one, one_by_one),  # (the run's last: written)
            (staged, 2, True, False, one_by_one, None),  # (its own copy, in a thread)
            (staged, 3, False, False, all_first, all_first[:3]),  # (training goes on beside it)
-           (plain, 1, False, True, all_first, all_first[:3]),
+           (plain, 1, False, True, all_first, all_first[:3]),  # (waited, Orbax's way)
            (plain, 2, True, False, all_first, None)]
   for checkpointer, step, room, waited, want, at_return in cases:
     monkeypatch.setattr(manager, "device_copy", lambda tree, *_, room=room: (
@@ -396,7 +396,7 @@ def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, mo
     if at_return is not None:
       assert events[:len(at_return)] == at_return and len(events) >= len(at_return), step
     assert (str(step) in {p.name for p in checkpointer.directory.iterdir()}) == (
-        at_return == one_by_one), step  # (finished at once only when it was waited for)
+        at_return == one_by_one), step  # (finished at once only when it was staged, waited for)
     checkpointer.wait()
     assert sorted(events, key=want.index) == want and events == want, (step, events)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -412,6 +412,76 @@ def test_a_staged_save_takes_the_state_to_the_host_a_part_at_a_time(tmp_path, mo
     Checkpointer(tmp_path / "n", keep=1, staging_gb=2)
   Checkpointer(tmp_path / "n", keep=1).close()
   assert not (tmp_path / "n").exists()
+
+
+def test_a_waited_save_writes_each_part_as_soon_as_it_is_on_the_host(tmp_path, monkeypatch):
+  """Not staged, a save the caller waits for takes the state to the host in parts of
+  `waited_parts_gb` and starts each part's write as soon as it is there, beside the writes of
+  the parts before (here each part's write holds on until the last part's has started: written
+  one after another, it would never end), returns written, and stores every array's metadata
+  (Orbax's store rewrites one file: parts storing their own would drop each other's). Beside
+  training, or with `waited_parts_gb=0`, every array goes to the host before the first write."""
+  import functools
+  from orbax.checkpoint._src.metadata import array_metadata_store
+  from jmoe.checkpoint import writer
+  events = []
+  monkeypatch.setattr(writer.TransferOrder, "on_transfer_end",
+                      lambda self, key: events.append(("to host", jax.tree_util.keystr(key))))
+  # (jmoe's writer keeps no store of array metadata; one with Orbax's must keep every array's)
+  monkeypatch.setattr(writer, "ArrayWriter", functools.partial(
+      writer.ArrayWriter, array_metadata_store=array_metadata_store.Store()))
+  monkeypatch.setattr(writer, "_registered", None)
+  try:
+    parts_written_together(tmp_path, monkeypatch, writer, events)
+  finally:  # (Orbax's registry keeps the last writer: the next save registers jmoe's own again)
+    monkeypatch.undo()
+    writer._registered = None
+
+
+def parts_written_together(tmp_path, monkeypatch, writer, events):
+  import asyncio
+  write_part = writer.orbax_arrays._async_serialize_replica_slices
+  names = [f"w{i}" for i in range(4)]
+  started, last_started = [], asyncio.Event()
+
+  async def held_write(on_host, infos, *args, **kwargs):
+    name = jax.tree_util.keystr(infos[0].keypath)
+    started.append(name)
+    if name == f"['{names[-1]}']":
+      last_started.set()
+    await asyncio.wait_for(last_started.wait(), 20)
+    return await write_part(on_host, infos, *args, **kwargs)
+
+  monkeypatch.setattr(writer.orbax_arrays, "_async_serialize_replica_slices", held_write)
+  values = {name: np.full((8, 64), i, np.float32) for i, name in enumerate(names)}  # 2 KiB
+  state = jax.tree.map(jax.numpy.asarray, values)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+  keys = [f"['{name}']" for name in names]
+  checkpointer = Checkpointer(tmp_path / "c", keep=5, waited_parts_gb=3000 / 1e9)
+  checkpointer.save(1, state, waited=True)
+  assert (tmp_path / "c" / "1").is_dir()  # (written before save returned)
+  assert started == keys and events == [("to host", key) for key in keys]
+  checkpointer.wait()
+  restored, _ = checkpointer.restore(1, abstract, jax.tree.map(lambda x: x.sharding, state))
+  for name, array in values.items():
+    np.testing.assert_array_equal(restored[name], array)
+  stored = [path.read_text() for path in (tmp_path / "c" / "1" / "state").rglob("*")
+            if path.is_file() and "array_metadatas" in str(path)]
+  assert len(stored) == 1, stored
+  assert sorted(entry["array_metadata"]["param_name"]
+                for entry in json.loads(stored[0])["array_metadatas"]) == names
+  # (beside training, and without parts: all of it on the host first, in one write)
+  monkeypatch.setattr(writer.orbax_arrays, "_async_serialize_replica_slices", write_part)
+  whole = Checkpointer(tmp_path / "w", keep=5, waited_parts_gb=0)
+  for n, (chosen, waited) in enumerate([(checkpointer, False), (whole, True)], start=2):
+    events.clear()
+    chosen.save(n, state, waited=waited)
+    assert events == [("to host", key) for key in keys], n
+    chosen.wait()
+    restored, _ = chosen.restore(n, abstract, jax.tree.map(lambda x: x.sharding, state))
+    np.testing.assert_array_equal(restored["w3"], values["w3"])
+  for chosen in (checkpointer, whole):
+    chosen.close()
 
 
 def test_the_room_for_a_copy_leaves_out_the_copies_made_before(monkeypatch):
@@ -562,18 +632,18 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   `waited_write_threads`; None: TensorStore's own), uncompressed unless `compress_waited` (the
   zarr metadata on disk says which); all read back whole, the two kinds side by side in one
   directory. The default beside training leaves two of the cores this process may use to it."""
-  import orbax.checkpoint as ocp
   from jmoe.checkpoint import manager, writer
   pools, contexts = [], set()
-  parent = ocp.type_handlers.ArrayHandler.serialize
+  parent = writer.ArrayWriter.serialize
 
   async def seen(self, values, infos, args=None):
+    written = await parent(self, values, infos, args)  # (which sets each info's pools)
     pools.extend(({k: v.get("limit") for k, v in info.ts_context.spec.to_json().items()
                    if k.endswith("_concurrency")}, info.use_compression) for info in infos)
     contexts.update(id(info.ts_context) for info in infos)
-    return await parent(self, values, infos, args)
+    return written
 
-  monkeypatch.setattr(ocp.type_handlers.ArrayHandler, "serialize", seen)
+  monkeypatch.setattr(writer.ArrayWriter, "serialize", seen)
   roomy = lambda device: {"bytes_limit": 1 << 30, "peak_bytes_in_use": 0}
   real_copy = manager.device_copy
   values = {f"w{i}": np.full((8, 64), i, np.float32) for i in range(3)}

@@ -372,17 +372,25 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   target = tmp_path / "saves"
   result = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), str(target),
                            "--gib", "0.01", "--file-mib", "64,1", "--threads", "default,2",
-                           "--raw-threads", "0,3", "--staging-gb", "0,0.002", "--repeats", "1"],
+                           "--raw-threads", "0,3", "--staging-gb", "0,0.002", "--parts-gb",
+                           "0,0.001", "--repeats", "1"],
                           capture_output=True, text=True, timeout=300, env=command_env())
   assert result.returncode == 0, result.stderr
   lines = [json.loads(line) for line in result.stdout.splitlines()]
   removals = [r for r in lines if "removed" in r]
   lines = [r for r in lines if "removed" not in r]
-  runs = [(mib, threads, staging) for mib in (64, 1) for threads in ("default", 2)
-          for staging in (0, 0.002)]
-  assert [(r["file_mib"], r["threads"], r["staging_gb"]) for r in lines] == runs
-  assert [(r["file_mib"], r["threads"], r["staging_gb"], r["removed"]) for r in removals] == [
-      (*run, 1) for run in runs]
+  runs = [(mib, threads, staging, parts) for mib in (64, 1) for threads in ("default", 2)
+          for staging, parts in ((0, 0), (0, 0.001), (0.002, None))]
+  assert [(r["file_mib"], r["threads"], r["staging_gb"], r["parts_gb"]) for r in lines] == runs
+  assert [(r["file_mib"], r["threads"], r["staging_gb"], r["parts_gb"], r["removed"])
+          for r in removals] == [(*run, 1) for run in runs]
+  # (the save's phases; not staged and not in parts, `save` returns with the state on the host)
+  assert all(0 <= r["on_host_s"] <= r["written_s"] <= r["finished_s"] <= r["seconds"]
+             for r in lines), lines
+  assert all(r["to_host_s"] < r["written_s"] for r in lines if not r["staging_gb"]
+             and not r["parts_gb"]), lines
+  assert all(r["to_host_s"] >= r["written_s"] for r in lines if r["staging_gb"]
+             or r["parts_gb"]), lines
   assert all(r["remove_s"] > 0 and r["removed_gib"] > 0.004 for r in removals), removals
   cores = str(len(os.sched_getaffinity(0)))
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
@@ -393,6 +401,7 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   for argument, why in (([str(tmp_path)], "exists"),
                         ([str(target), "--threads", "4,all"], "--threads: each is a whole number"),
                         ([str(target), "--staging-gb", "1,-2"], "--staging-gb: each is a number"),
+                        ([str(target), "--parts-gb", "inf"], "--parts-gb: each is a number"),
                         ([str(target), "--repeats", "0"], "--repeats: 1 or more")):
     refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "save_rate.py"), *argument],
                              capture_output=True, text=True, timeout=120, env=command_env())

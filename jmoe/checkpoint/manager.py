@@ -64,7 +64,7 @@ class Checkpointer(CheckpointReader):
                write_threads: int | None = 0, compress_waited: bool = False,
                pinned_transfer: bool | None = None, paced_transfer: bool = False,
                waited_write_threads: int | None = 0, transfer_lead: int = 0,
-               staging_gb: float = 0.0):
+               staging_gb: float = 0.0, waited_parts_gb: float = 1.0):
     """`staging_gb` (`checkpoint.staging_gb`): above 0, a save whose state nothing changes while
     it is written (its own copy on the devices, or one the caller waits for) takes it to the host
     in parts of at most this many GB (1e9 bytes), each taken while the one before is written, and
@@ -76,7 +76,10 @@ class Checkpointer(CheckpointReader):
     (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
     (scripts/save_timeline.py). `waited_write_threads`: the threads of each of TensorStore's
     pools for a save the caller waits for (0: two per core, writer.waited_threads; None:
-    TensorStore's own; scripts/save_rate.py).
+    TensorStore's own; scripts/save_rate.py). `waited_parts_gb`: a save the caller waits for,
+    not staged, takes the state to the host in parts of this many GB and writes each as soon as
+    it is there, beside the parts before (0: every array on the host before the first is
+    written, Orbax's way; scripts/save_rate.py compares them).
     `transfer_lead`: a save whose state was copied on the devices starts taking the copy to
     the host once the loop has launched this many steps after it (`stepped`), so that the
     device has them queued while the transfer holds up the launch of the next ones (or after
@@ -94,6 +97,7 @@ class Checkpointer(CheckpointReader):
                         f"orbax-checkpoint 0.12, which this Orbax ({ocp.__version__}) lacks: set "
                         f"it to 0, or install orbax-checkpoint 0.12")
     self._staging = staging_gb
+    self._waited_parts = int(waited_parts_gb * 1e9) or None
     self._room = CopyRoom()  # (the devices' peak without this checkpointer's own copies)
     self._go: threading.Event | None = None  # set when the pending transfer may start
     self._launched = 0  # steps launched since the pending save
@@ -227,7 +231,8 @@ class Checkpointer(CheckpointReader):
     reach the host where the devices have room for a copy of them). A step that is already
     saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
     write takes two threads per core (or `waited_write_threads`) and is compressed only with
-    `compress_waited`, and with `staging_gb` it returns once written; else a write in the
+    `compress_waited`, and it returns once written (its state taken to the host in parts as the
+    write goes on: `staging_gb`, or else `waited_parts_gb`); else a write in the
     background is held to `write_threads` and compressed (jmoe/checkpoint/writer.py).
     `copied`: `state` is `copy_for_save`'s copy, taken to the host and written beside training.
     Raises a ConfigError if the previous save failed, or this one in the foreground."""
@@ -254,9 +259,10 @@ class Checkpointer(CheckpointReader):
       copy = self._device_copy(state) if beside and jax.process_count() == 1 else None
     # (a state nothing changes while it is written may go to the host in parts)
     staged = bool(self._staging) and (copy is not None or not beside)
+    parts = None if beside or staged else self._waited_parts  # (written as they come)
     writing = dict(threads=self._write_threads if beside else
                    writer.waited_threads(self._waited_threads),
-                   compressed=beside or self._compress_waited, staged=staged)
+                   compressed=beside or self._compress_waited, staged=staged, parts_bytes=parts)
     use_array_writer(**writing)
     if beside and not self._copies_noted and jax.default_backend() != "cpu":
       self._copies_noted = True
@@ -279,7 +285,7 @@ class Checkpointer(CheckpointReader):
         self._start(step, state, items)
       except Exception as e:  # noqa: BLE001 - whatever the file system says, named in one line
         raise self._failed(step, e) from None
-      if staged:  # (the state is read as the write goes on: done before the caller goes on)
+      if staged or parts:  # (the state is read as the write goes on: done before returning)
         self.wait()
       return
     self._thread_error = None

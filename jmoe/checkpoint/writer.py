@@ -118,14 +118,15 @@ def waited_threads(setting: int | None) -> int | None:
 
 
 def use_array_writer(threads: int | None = None, *, compressed: bool = True,
-                     staged: bool = False) -> None:
+                     staged: bool = False, parts_bytes: int | None = None) -> None:
   """Registers jmoe's writer of jax.Arrays with Orbax: `ArrayWriter` with
-  `write_threads(threads)`, `compressed` and `staged`, and with replicas, each process holding
-  one writes a share (`use_replica_parallel`) only when there are several processes. Within one
-  process the shares would only cost a compiled slice of every replicated array at the first
-  save (Orbax's default shares everywhere but on a platform named "gpu" or "cuda" in
-  JAX_PLATFORMS)."""
-  _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed, staged)
+  `write_threads(threads)`, `compressed`, `staged` and `parts_bytes`, and with replicas, each
+  process holding one writes a share (`use_replica_parallel`) only when there are several
+  processes. Within one process the shares would only cost a compiled slice of every replicated
+  array at the first save (Orbax's default shares everywhere but on a platform named "gpu" or
+  "cuda" in JAX_PLATFORMS)."""
+  _register_array_writer(jax.process_count() > 1, write_threads(threads), compressed, staged,
+                         parts_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,14 +215,19 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
   arrays go to the host in parts as the write goes on (`TransferOrder`), each part's transfer
   beside the write of the part before (`_write_in_parts`), so at most two parts are on the host
   at once (Orbax's own loop takes a part only once the one before is written: the devices' copy
-  engine and the host's writer threads take turns)."""
+  engine and the host's writer threads take turns). `parts_bytes`, where not staged: the arrays
+  go to the host in parts of at most that many bytes all the same, and each part's write starts
+  as soon as it is there, beside the writes of the parts before: for a save the caller waits
+  for, whose whole state's host memory is at hand, so that its write does not wait for the last
+  array's transfer (Orbax takes every array to the host before it writes the first)."""
 
   def __init__(self, *, threads: int | None, compressed: bool = True, staged: bool = False,
-               **kwargs):
+               parts_bytes: int | None = None, **kwargs):
     self.order = TransferOrder(staged)  # (whether staged: this order's, the one Orbax follows)
     super().__init__(callback=self.order, **kwargs)
     self.threads = threads
     self.compressed = compressed
+    self.parts_bytes = parts_bytes
     self._context = None  # (Orbax's context for the last save's arrays, the bounded one)
 
   async def serialize(self, values, infos, args=None):
@@ -237,6 +243,7 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
     part_bytes = self._part_bytes(values, infos)
     if part_bytes is None:
       return await super().serialize(values, infos, args)
+    beside = not self.order.staged  # (staged: one part written at a time, two on the host)
     args = args or [ocp.SaveArgs()] * len(values)
     orbax_types.check_input_arguments(values, infos, args)
     orbax_arrays.check_array_values(values, infos, raise_error=True)
@@ -247,24 +254,30 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
               [value.sharding for value in values], infos, primary_host=self._primary_host),
           name="serialize_shardings"))
     futures.append(orbax_future.CommitFutureAwaitingContractedSignals(
-        self._write_in_parts(values, infos, args, part_bytes), name="array_type_handler"))
+        self._write_in_parts(values, infos, args, part_bytes, beside=beside),
+        name="array_type_handler"))
     return futures
 
   def _part_bytes(self, values, infos) -> int | None:
-    """The most bytes of a part when this save's arrays go to the host in parts, each beside the
-    write of the one before; None where Orbax writes them (not staged, another Orbax, a
-    dispatcher, random keys, which Orbax's writer stores with metadata of their own)."""
-    limiter = infos[0].device_host_byte_limiter if infos else None
-    if (not self.order.staged or orbax_arrays is None or self.has_dispatcher()
-        or not isinstance(limiter, orbax_limits.LimitInFlightBytes)
+    """The most bytes of a part when this save's arrays go to the host in parts (staged: Orbax's
+    budget per process; else `parts_bytes`); None where Orbax writes them (neither, another
+    Orbax, a dispatcher, random keys, which Orbax's writer stores with metadata of their own)."""
+    if (orbax_arrays is None or self.has_dispatcher()
         or any(jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key) for value in values)):
       return None
-    return limiter.max_bytes
+    if self.order.staged:
+      limiter = infos[0].device_host_byte_limiter if infos else None
+      return limiter.max_bytes if isinstance(limiter, orbax_limits.LimitInFlightBytes) else None
+    return self.parts_bytes
 
-  async def _write_in_parts(self, arrays, infos, args, part_bytes: int) -> None:
-    """Takes the arrays to the host in parts of at most `part_bytes` (Orbax's budget per
-    process), in their order, and writes each part while the next one is taken: a part is
-    taken only once the one before the last is written."""
+  async def _write_in_parts(self, arrays, infos, args, part_bytes: int, *,
+                            beside: bool) -> None:
+    """Takes the arrays to the host in parts of at most `part_bytes`, in their order, and writes
+    each part as soon as it is there: `beside` the writes of the parts before, or (staged) once
+    the part before is written, a part being taken only once the one before the last is written
+    (two on the host at most). The arrays' metadata is written once, for all of them, at the
+    end (Orbax's store of it rewrites one file per process: parts written side by side would
+    each drop the others')."""
     to_host = functools.partial(
         orbax_slices.transfer_arrays_to_host, replica_id=self._replica_id,
         use_replica_parallel=self._use_replica_parallel,
@@ -274,39 +287,45 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
     parts = orbax_budget.next_memory_budgeted_batch(
         list(zip(arrays, infos, args)), part_bytes,
         replica_id=None if self._use_replica_parallel else self._replica_id, dispatcher=None)
-    writing = None
+    writes = []
     try:
       for part in parts:
         part_arrays, part_infos, part_args = zip(*part)
         on_host = await asyncio.to_thread(to_host, part_arrays)
         for info in part_infos:
           self._callback.on_transfer_end(info.keypath)
-        if writing is not None:
-          await writing
-        writing = asyncio.ensure_future(self._write_part(on_host, part_infos, part_args))
-      if writing is not None:
-        await writing
+        if writes and not beside:
+          await writes[-1]
+        writes.append(asyncio.ensure_future(self._write_part(on_host, part_infos, part_args)))
+      metadata = [m for written in await asyncio.gather(*writes) for m in written or ()]
+      if self._array_metadata_store is not None:
+        await self._array_metadata_store.write(
+            checkpoint_dir=infos[0].parent_dir, array_metadatas=metadata,
+            process_index=orbax_arrays.multihost.process_index())
     finally:
-      if writing is not None and not writing.done():
-        writing.cancel()
+      for write in writes:
+        if not write.done():
+          write.cancel()
 
-  async def _write_part(self, on_host, infos, args) -> None:
-    await orbax_arrays._async_serialize_replica_slices(  # noqa: SLF001 - see the imports
+  async def _write_part(self, on_host, infos, args) -> list:
+    """Writes one part's arrays; returns their metadata, for `_write_in_parts` to store."""
+    metadata = await orbax_arrays._async_serialize_replica_slices(  # noqa: SLF001 - see the imports
         on_host, infos, args, primary_host=self._primary_host, metadata_key=self._metadata_key,
-        array_metadata_store=self._array_metadata_store,
+        array_metadata_store=None,
         enable_replica_parallel_separate_folder=self._enable_replica_parallel_separate_folder,
         use_replica_parallel=self._use_replica_parallel, ext_metadata={})
     for info in infos:
       self._callback.on_write_end(info.keypath)
+    return metadata
 
 
 _registered: tuple | None = None  # the writer's settings, once registered
 
 
 def _register_array_writer(shared: bool, threads: int | None, compressed: bool,
-                           staged: bool) -> None:
+                           staged: bool, parts_bytes: int | None) -> None:
   global _registered
-  if _registered == (shared, threads, compressed, staged):
+  if _registered == (shared, threads, compressed, staged, parts_bytes):
     return
   absl_log = logging.getLogger("absl")
   level = absl_log.level
@@ -314,7 +333,8 @@ def _register_array_writer(shared: bool, threads: int | None, compressed: bool,
   try:
     ocp.type_handlers.register_type_handler(
         jax.Array, ArrayWriter(threads=threads, compressed=compressed, staged=staged,
-                               use_replica_parallel=shared), override=True)
-    _registered = (shared, threads, compressed, staged)
+                               parts_bytes=parts_bytes, use_replica_parallel=shared),
+        override=True)
+    _registered = (shared, threads, compressed, staged, parts_bytes)
   finally:
     absl_log.setLevel(level)
