@@ -65,7 +65,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
             done, untimed = done + 1, untimed + 1
       t0 = time.perf_counter()
       trainer.save(waited=True)  # the run's last checkpoint, as the command ends with
-      last_call = time.perf_counter() - t0  # (its checks and the state's copy to the host)
+      last_call = time.perf_counter() - t0  # (its checks, the copy to the host, the write)
       trainer.checkpointer.wait()
       last_write = time.perf_counter() - t0
       saves = len(trainer.checkpointer.all_steps())
@@ -83,8 +83,9 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       # the same to the end of the last step, without the last checkpoint's write
       "loop_tokens_per_s_steps": round(tokens / stepped),
       "loop_last_write_s": round(last_write, 1),
-      # of which the save call (the finiteness check, the copy to the host) and the rest (the
-      # write, Orbax's finishing, the removal of a step past checkpoint.keep)
+      # of which the save call (the finiteness check, the copy to the host and, since the
+      # state goes to the host in parts as it is written, the write and Orbax's finishing) and
+      # the rest (what `wait` found left: the whole write until f6e1069)
       "loop_last_save_call_s": round(last_call, 2),
       "loop_last_save_wait_s": round(last_write - last_call, 2),
       # and within it, from the save's call: the state on the host, written, finished (Orbax's
