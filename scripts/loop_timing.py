@@ -90,8 +90,7 @@ def loop_figures(config, steps: int, warmup: int, probes: int = 3) -> dict:
       "loop_last_save_wait_s": round(last_write - last_call, 2),
       # and within it, from the save's call: the state on the host, written, finished (Orbax's
       # finishing and the removal of the step past checkpoint.keep, which took removing_s)
-      **({f"loop_last_save_{k}": None if v is None else round(v, 2)
-          for k, v in dataclasses.asdict(phases).items() if k.endswith("_s")} if phases else {}),
+      **({f"loop_last_save_{k}": v for k, v in phases.seconds().items()} if phases else {}),
       "loop_interval_tokens_per_s": [round(min(intervals)), round(max(intervals))]
       if intervals else None,
       # each logged record's (step, tokens/s since the record before): where the loop loses time

@@ -37,7 +37,6 @@ an error.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import shutil
@@ -200,10 +199,8 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
       to_host = time.perf_counter() - started
       checkpointer.wait()
       seconds = time.perf_counter() - started
-      phases = {k: None if v is None else round(v, 2)
-                for k, v in dataclasses.asdict(checkpointer.last_save).items() if k.endswith("_s")}
       out.append({"repeat": repeat, "seconds": round(seconds, 2), "to_host_s": round(to_host, 2),
-                  "write_s": round(seconds - to_host, 2), **phases,
+                  "write_s": round(seconds - to_host, 2), **checkpointer.last_save.seconds(),
                   "on_disk_gib": round(on_disk(d / str(repeat + 1)) / 2**30, 2)})
   finally:
     checkpointer.close()

@@ -144,6 +144,11 @@ class SaveTimes:
   finished_s: float
   removing_s: float
 
+  def seconds(self) -> dict[str, float | None]:
+    """Each phase's seconds (the `*_s` fields), rounded to 0.01 s, by field name."""
+    return {k: None if v is None else round(v, 2)
+            for k, v in dataclasses.asdict(self).items() if k.endswith("_s")}
+
   def summary(self) -> str:
     marks = [f"{what} after {s:.1f} s" for what, s in (("on the host", self.on_host_s),
                                                       ("written", self.written_s))
@@ -243,7 +248,6 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
     part_bytes = self._part_bytes(values, infos)
     if part_bytes is None:
       return await super().serialize(values, infos, args)
-    beside = not self.order.staged  # (staged: one part written at a time, two on the host)
     args = args or [ocp.SaveArgs()] * len(values)
     orbax_types.check_input_arguments(values, infos, args)
     orbax_arrays.check_array_values(values, infos, raise_error=True)
@@ -254,8 +258,7 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
               [value.sharding for value in values], infos, primary_host=self._primary_host),
           name="serialize_shardings"))
     futures.append(orbax_future.CommitFutureAwaitingContractedSignals(
-        self._write_in_parts(values, infos, args, part_bytes, beside=beside),
-        name="array_type_handler"))
+        self._write_in_parts(values, infos, args, part_bytes), name="array_type_handler"))
     return futures
 
   def _part_bytes(self, values, infos) -> int | None:
@@ -270,10 +273,9 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
       return limiter.max_bytes if isinstance(limiter, orbax_limits.LimitInFlightBytes) else None
     return self.parts_bytes
 
-  async def _write_in_parts(self, arrays, infos, args, part_bytes: int, *,
-                            beside: bool) -> None:
+  async def _write_in_parts(self, arrays, infos, args, part_bytes: int) -> None:
     """Takes the arrays to the host in parts of at most `part_bytes`, in their order, and writes
-    each part as soon as it is there: `beside` the writes of the parts before, or (staged) once
+    each part as soon as it is there: beside the writes of the parts before, or (staged) once
     the part before is written, a part being taken only once the one before the last is written
     (two on the host at most). The arrays' metadata is written once, for all of them, at the
     end (Orbax's store of it rewrites one file per process: parts written side by side would
@@ -294,7 +296,7 @@ class ArrayWriter(ocp.type_handlers.ArrayHandler):
         on_host = await asyncio.to_thread(to_host, part_arrays)
         for info in part_infos:
           self._callback.on_transfer_end(info.keypath)
-        if writes and not beside:
+        if writes and self.order.staged:
           await writes[-1]
         writes.append(asyncio.ensure_future(self._write_part(on_host, part_infos, part_args)))
       metadata = [m for written in await asyncio.gather(*writes) for m in written or ()]
