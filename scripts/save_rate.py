@@ -10,7 +10,7 @@ so that it is stored one (layer, expert) chunk at a time as a train state's expe
 Each save is the run's last as `jmoe.train` makes it: an asynchronous Checkpointer whose host
 memory was reserved beforehand (page-locked on a GPU), `save(waited=True)`, uncompressed, then
 `wait`; timed in two parts, the copy to the host (`to_host_s`, until `save` returns) and the
-write (`write_s`). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
+write (`write_s`, `write_gb_per_s`; none where `save` returns written). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
 reached also removes the oldest step, in the save's time); each saved step is then removed and
 timed (`removed`: its files unlinked by half the cores, then by one thread, alternately, as
 jmoe's StepRemover unlinks them: on tmpfs, freeing the pages is most of it). `--file-mib`:
@@ -156,8 +156,6 @@ def main(argv=None) -> int:
           for line in saves(state, d, threads, args.repeats, staging, part or 0.0):
             print(json.dumps({**common, "state_gib": round(nbytes / 2**30, 2), **line,
                               "gb_per_s": round(nbytes / line["seconds"] / 1e9, 2),
-                              "write_gb_per_s": round(nbytes / max(line["write_s"], 1e-9) / 1e9,
-                                                      2),
                               "raw_gb_per_s": raw[str(d), mib]}), flush=True)
           for line in removals(d, args.repeats):
             print(json.dumps({**common, **line}), flush=True)
@@ -187,6 +185,7 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
           parts_gb: float = 0.0) -> list[dict]:
   """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
   from jmoe.checkpoint import Checkpointer
+  nbytes = sum(x.get_value().nbytes for x in state.values())
   checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads or 0,
                               staging_gb=staging_gb, waited_parts_gb=parts_gb)
   out = []
@@ -200,7 +199,11 @@ def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb:
       checkpointer.wait()
       seconds = time.perf_counter() - started
       out.append({"repeat": repeat, "seconds": round(seconds, 2), "to_host_s": round(to_host, 2),
-                  "write_s": round(seconds - to_host, 2), **checkpointer.last_save.seconds(),
+                  "write_s": round(seconds - to_host, 2),
+                  # (none where `save` returns written: staged, in parts)
+                  "write_gb_per_s": (None if staging_gb or parts_gb else
+                                     round(nbytes / (seconds - to_host) / 1e9, 2)),
+                  **checkpointer.last_save.seconds(),
                   "on_disk_gib": round(on_disk(d / str(repeat + 1)) / 2**30, 2)})
   finally:
     checkpointer.close()

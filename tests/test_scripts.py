@@ -396,7 +396,9 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   assert all(r["remove_s"] > 0 and r["removed_gib"] > 0.004 for r in removals), removals
   cores = str(len(os.sched_getaffinity(0)))
   assert all(r["seconds"] > 0 and 0.005 <= r["state_gib"] <= 0.02 and r["on_disk_gib"] > 0.004
-             and 0 <= r["to_host_s"] <= r["seconds"] and r["write_gb_per_s"] > 0
+             and 0 <= r["to_host_s"] <= r["seconds"]
+             and (r["write_gb_per_s"] is None) == bool(r["staging_gb"] or r["parts_gb"])
+             and (r["write_gb_per_s"] is None or r["write_gb_per_s"] > 0)
              and set(r["raw_gb_per_s"]) == {cores, "3"} and min(r["raw_gb_per_s"].values()) > 0
              for r in lines), lines
   assert not target.exists()
