@@ -413,6 +413,48 @@ def test_save_rate_times_each_data_file_size_and_leaves_nothing(tmp_path):
   assert not target.exists()
 
 
+def test_chunk_rate_writes_the_array_by_each_chunk_shape_and_leaves_nothing(tmp_path):
+  """scripts/chunk_rate.py times a plain write and, per chunk shape, a TensorStore write by
+  reference and one without; what it writes reads back whole, chunked as asked; bad shapes are
+  refused before anything is written."""
+  target = tmp_path / "writes"
+  result = subprocess.run([sys.executable, str(ROOT / "scripts" / "chunk_rate.py"), str(target),
+                           "--shape", "4,6,128,64", "--chunks", "1,1,128,64:2,6,128,64", "--threads",
+                           "2", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=120, env=command_env())
+  assert result.returncode == 0, result.stderr
+  lines = [json.loads(line) for line in result.stdout.splitlines()]
+  assert [(r["repeat"], r.get("chunk"), r.get("by_reference")) for r in lines] == [
+      (repeat, chunk, by_reference) for repeat in (0, 1)
+      for chunk, by_reference in ((None, None), ([1, 1, 128, 64], True), ([1, 1, 128, 64], False),
+                                  ([2, 6, 128, 64], True), ([2, 6, 128, 64], False))]
+  assert all(r["shape"] == [4, 6, 128, 64] and r["threads"] == 2 and r["seconds"] > 0
+             and r["gb_per_s"] > 0 for r in lines), lines
+  assert [r.get("plain") for r in lines].count(True) == 2 and not target.exists()
+
+  import numpy as np
+  import tensorstore as ts
+  sys.path.insert(0, str(ROOT / "scripts"))
+  from chunk_rate import spec, tensorstore_write
+  array = np.arange(4 * 6 * 16 * 8, dtype=np.uint16).reshape(4, 6, 16, 8)
+  for chunk in ((1, 1, 16, 8), (2, 6, 16, 8)):
+    assert tensorstore_write(array, target, chunk, 2, by_reference=True) > 0
+    written = spec(target, array.shape, chunk, 2**20)
+    stored = ts.open({"driver": written["driver"], "kvstore": written["kvstore"]},
+                     open=True).result()
+    assert stored.chunk_layout.read_chunk.shape == chunk
+    np.testing.assert_array_equal(stored.read().result(), array)
+
+  for argument, why in (([str(tmp_path)], "exists"),
+                        ([str(target), "--shape", "4,0"], "--shape: comma-separated"),
+                        ([str(target), "--shape", "4,6", "--chunks", "1,6,1"], "not a chunk"),
+                        ([str(target), "--shape", "4,6", "--chunks", "1,7"], "not a chunk"),
+                        ([str(target), "--repeats", "0"], "--repeats: 1 or more")):
+    refused = subprocess.run([sys.executable, str(ROOT / "scripts" / "chunk_rate.py"), *argument],
+                             capture_output=True, text=True, timeout=120, env=command_env())
+    assert refused.returncode == 2 and why in refused.stderr, refused.stderr
+
+
 def test_benchmark_reads_the_gpu_clocks_nvidia_smi_samples():
   """nvidia-smi's samples ("MHz, W, throttle reasons" per GPU and sample, as `GpuClocks` asks
   for them) give the mean clock and power and the share held at the power cap (reason 0x4);
