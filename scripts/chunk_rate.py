@@ -22,7 +22,6 @@ removed at the end, and on an error.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import pathlib
 import shutil
@@ -31,13 +30,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-
-def shape_of(text: str, name: str, parser) -> tuple[int, ...]:
-  """`text`'s comma-separated whole numbers above 0, as a shape."""
-  items = text.split(",")
-  if not all(item.isascii() and item.isdigit() and int(item) > 0 for item in items):
-    parser.error(f"{name}: comma-separated whole numbers above 0, not {text!r}")
-  return tuple(int(item) for item in items)
+from save_rate import numbers, raw_write
 
 
 def spec(directory: pathlib.Path, shape: tuple[int, ...], chunk: tuple[int, ...],
@@ -67,23 +60,6 @@ def tensorstore_write(array, directory: pathlib.Path, chunk: tuple[int, ...], th
   return time.perf_counter() - started
 
 
-def plain_write(array, directory: pathlib.Path, threads: int) -> float:
-  """Seconds to write `array`'s bytes as plain files of DATA_FILE_BYTES by `threads` threads."""
-  from jmoe.checkpoint.writer import DATA_FILE_BYTES
-  shutil.rmtree(directory, ignore_errors=True)
-  directory.mkdir(parents=True)
-  data = memoryview(array.reshape(-1).view("uint8"))
-
-  def write(start: int) -> None:
-    with open(directory / str(start // DATA_FILE_BYTES), "wb") as f:
-      f.write(data[start:start + DATA_FILE_BYTES])
-
-  started = time.perf_counter()
-  with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-    list(pool.map(write, range(0, len(data), DATA_FILE_BYTES)))
-  return time.perf_counter() - started
-
-
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("dir", type=pathlib.Path,
@@ -94,8 +70,8 @@ def main(argv=None) -> int:
   parser.add_argument("--threads", type=int, default=0)
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args(argv)
-  shape = shape_of(args.shape, "--shape", parser)
-  chunks = [shape_of(text, "--chunks", parser) for text in args.chunks.split(":")]
+  shape = tuple(numbers(args.shape, "--shape", parser))
+  chunks = [tuple(numbers(text, "--chunks", parser)) for text in args.chunks.split(":")]
   for chunk in chunks:
     if len(chunk) != len(shape) or any(c > s for c, s in zip(chunk, shape)):
       parser.error(f"--chunks: {','.join(map(str, chunk))} is not a chunk of an array of shape "
@@ -107,14 +83,15 @@ def main(argv=None) -> int:
   if args.dir.exists():
     parser.error(f"{args.dir} exists: give a directory that does not (it is removed at the end)")
   import numpy as np
-  from jmoe.checkpoint.writer import waited_threads
+  from jmoe.checkpoint.writer import DATA_FILE_BYTES, waited_threads
   threads = args.threads or waited_threads(0)
   array = np.random.default_rng(0).integers(0, 2**16, size=shape, dtype=np.uint16)
   gb = array.nbytes / 1e9
   common = {"shape": list(shape), "gib": round(array.nbytes / 2**30, 3), "threads": threads}
   try:
     for repeat in range(args.repeats):
-      seconds = plain_write(array, args.dir, threads)
+      shutil.rmtree(args.dir, ignore_errors=True)  # (the last TensorStore write's)
+      seconds = raw_write({"array": array}, args.dir, DATA_FILE_BYTES, threads)
       print(json.dumps({**common, "plain": True, "repeat": repeat, "seconds": round(seconds, 4),
                         "gb_per_s": round(gb / seconds, 3)}), flush=True)
       for chunk in chunks:

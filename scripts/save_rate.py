@@ -10,10 +10,11 @@ so that it is stored one (layer, expert) chunk at a time as a train state's expe
 Each save is the run's last as `jmoe.train` makes it: an asynchronous Checkpointer whose host
 memory was reserved beforehand (page-locked on a GPU), `save(waited=True)`, uncompressed, then
 `wait`; timed in two parts, the copy to the host (`to_host_s`, until `save` returns) and the
-write (`write_s`, `write_gb_per_s`; none where `save` returns written). The Checkpointer keeps every repeat (a run's last save with `checkpoint.keep`
-reached also removes the oldest step, in the save's time); each saved step is then removed and
-timed (`removed`: its files unlinked by half the cores, then by one thread, alternately, as
-jmoe's StepRemover unlinks them: on tmpfs, freeing the pages is most of it). `--file-mib`:
+write (`write_s`, `write_gb_per_s`; no rate where `save` returns written). The Checkpointer keeps
+every repeat (a run's last save with `checkpoint.keep` reached also removes the oldest step, in
+the save's time); each saved step is then removed and timed (`removed`: its files unlinked by
+half the cores, then by one thread, alternately, as jmoe's StepRemover unlinks them: on tmpfs,
+freeing the pages is most of it). `--file-mib`:
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
 threads of each of TensorStore's two pools for the save (`default`: jmoe's for the saves a run
 waits for, two per core; TensorStore's own pools take one copying thread per core);
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         for threads, staging, part in runs:
           common = {"dir": str(d), "file_mib": mib, "threads": threads or "default",
                     "staging_gb": staging, "parts_gb": part}
-          for line in saves(state, d, threads, args.repeats, staging, part or 0.0):
+          for line in saves(state, nbytes, d, threads, args.repeats, staging, part or 0.0):
             print(json.dumps({**common, "state_gib": round(nbytes / 2**30, 2), **line,
                               "gb_per_s": round(nbytes / line["seconds"] / 1e9, 2),
                               "raw_gb_per_s": raw[str(d), mib]}), flush=True)
@@ -181,11 +182,11 @@ def plain_writes(state, dirs, file_mibs, thread_counts) -> dict:
   return out
 
 
-def saves(state, d: pathlib.Path, threads: int | None, repeats: int, staging_gb: float = 0.0,
-          parts_gb: float = 0.0) -> list[dict]:
-  """`repeats` saves of `state` into `d` as a run's last (see above), each kept: their times."""
+def saves(state, nbytes: int, d: pathlib.Path, threads: int | None, repeats: int,
+          staging_gb: float = 0.0, parts_gb: float = 0.0) -> list[dict]:
+  """`repeats` saves of `state` (`nbytes`) into `d` as a run's last (see above), each kept: their
+  times."""
   from jmoe.checkpoint import Checkpointer
-  nbytes = sum(x.get_value().nbytes for x in state.values())
   checkpointer = Checkpointer(d, keep=repeats, waited_write_threads=threads or 0,
                               staging_gb=staging_gb, waited_parts_gb=parts_gb)
   out = []

@@ -446,7 +446,7 @@ def test_chunk_rate_writes_the_array_by_each_chunk_shape_and_leaves_nothing(tmp_
     np.testing.assert_array_equal(stored.read().result(), array)
 
   for argument, why in (([str(tmp_path)], "exists"),
-                        ([str(target), "--shape", "4,0"], "--shape: comma-separated"),
+                        ([str(target), "--shape", "4,0"], "--shape: each is a whole number"),
                         ([str(target), "--shape", "4,6", "--chunks", "1,6,1"], "not a chunk"),
                         ([str(target), "--shape", "4,6", "--chunks", "1,7"], "not a chunk"),
                         ([str(target), "--repeats", "0"], "--repeats: 1 or more")):
