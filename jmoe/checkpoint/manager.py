@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import functools
 import pathlib
 import threading
 import time
@@ -41,6 +42,7 @@ from jmoe.checkpoint.disk import (UNFINISHED, _quiet_saves, finished_steps, remo
                                   remove_tree, unfinished_saves)
 from jmoe.checkpoint.reader import CheckpointReader
 from jmoe.checkpoint.remover import use_step_remover
+from jmoe.checkpoint.save_thread import SaveThread
 from jmoe.checkpoint.snapshot import (CopyRoom, bytes_per_device, copy_programs, copy_split,
                                       device_copy)
 from jmoe.checkpoint.writer import use_array_writer
@@ -99,8 +101,6 @@ class Checkpointer(CheckpointReader):
     self._staging = staging_gb
     self._waited_parts = int(waited_parts_gb * 1e9) or None
     self._room = CopyRoom()  # (the devices' peak without this checkpointer's own copies)
-    self._go: threading.Event | None = None  # set when the pending transfer may start
-    self._launched = 0  # steps launched since the pending save
     # Nothing is created before the first save (a refused run leaves no trace). Directories are
     # made in the foreground: made in the background, a failure to make one left Orbax's other
     # writer threads waiting for it for 20 minutes, and the process with them.
@@ -121,8 +121,7 @@ class Checkpointer(CheckpointReader):
     self._broken = False  # a save failed
     self._partial: set[int] = set()  # the steps whose failed saves' files were removed
     self._async = async_save
-    self._thread: threading.Thread | None = None  # the save copying a state to the host
-    self._thread_error: Exception | None = None
+    self._thread: SaveThread | None = None  # the save taking a device copy to the host
     self._copies_noted = False
     self._reserving: threading.Thread | None = None  # page-locked host memory being reserved
     self._expected: list | None = None  # the state's leaves, until `expect_step`
@@ -288,54 +287,37 @@ class Checkpointer(CheckpointReader):
       if staged or parts:  # (the state is read as the write goes on: done before returning)
         self.wait()
       return
-    self._thread_error = None
-    self._go, self._launched = (threading.Event() if self._lead else None), 0
-    self._thread = threading.Thread(target=self._start_in_thread,
-                                    args=(step, copy, items, self._go, writing),
-                                    name=f"jmoe-save-{step}", daemon=True)
-    self._thread.start()
+    self._thread = SaveThread(functools.partial(self._start_copy, step, copy, items, writing),
+                              lead=self._lead, limit_s=TRANSFER_LEAD_S, name=f"jmoe-save-{step}")
 
   def stepped(self) -> None:
     """Called by the training loop after it launches each step: counts them towards the pending
     save's `transfer_lead`."""
-    go = self._go
-    if go is not None:
-      self._launched += 1
-      if self._launched >= self._lead:
-        go.set()
+    if self._thread is not None:
+      self._thread.stepped()
 
   def _start(self, step: int, state: Any, items: dict[str, Any]) -> None:
     """Orbax's save: returns once `state` is on the host, its write under way."""
     items = dict(state=writer.state_save(state), **items)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
-  def _start_in_thread(self, step: int, state: Any, items: dict[str, Any],
-                       go: threading.Event | None, writing: dict[str, Any]) -> None:
-    """`_start` on a copy of the state made on its devices for this save, once `go` is set
-    (or TRANSFER_LEAD_S has passed), with the writer `save` chose (registered again after a
-    wait: another Checkpointer made meanwhile registers its own)."""
-    try:
-      if go is not None:
-        go.wait(TRANSFER_LEAD_S)
-        use_array_writer(**writing)
-      if self._paced and pinned.has_pinned_host(state):
-        state = pinned.put_in_turn(state)
-      self._start(step, state, items)
-    except Exception as e:  # noqa: BLE001 - raised by `wait`
-      self._thread_error = e
+  def _start_copy(self, step: int, state: Any, items: dict[str, Any],
+                  writing: dict[str, Any]) -> None:
+    """`_start` on a copy of the state made on its devices for this save (in its SaveThread),
+    with the writer `save` chose (registered again: another Checkpointer made while the save
+    was held back registers its own)."""
+    use_array_writer(**writing)
+    if self._paced and pinned.has_pinned_host(state):
+      state = pinned.put_in_turn(state)
+    self._start(step, state, items)
 
   def wait(self) -> None:
     """Waits for the save under way; raises a ConfigError if it failed."""
     step, self._pending = self._pending, None
     thread, self._thread = self._thread, None
-    go, self._go = self._go, None
-    if go is not None:
-      go.set()
-    if thread is not None:
-      thread.join()
-      if self._thread_error is not None:
-        error, self._thread_error = self._thread_error, None
-        raise self._failed(step, error) from None
+    error = thread.join() if thread is not None else None
+    if error is not None:
+      raise self._failed(step, error) from None
     try:
       self._manager.wait_until_finished()
     except Exception as e:  # noqa: BLE001
