@@ -419,8 +419,8 @@ def test_chunk_rate_writes_the_array_by_each_chunk_shape_and_leaves_nothing(tmp_
   refused before anything is written."""
   target = tmp_path / "writes"
   result = subprocess.run([sys.executable, str(ROOT / "scripts" / "chunk_rate.py"), str(target),
-                           "--shape", "4,6,128,64", "--chunks", "1,1,128,64:2,6,128,64", "--threads",
-                           "2", "--repeats", "2"],
+                           "--shape", "4,6,128,64", "--chunks", "1,1,128,64:2,6,128,64",
+                           "--threads", "2", "--repeats", "2"],
                           capture_output=True, text=True, timeout=120, env=command_env())
   assert result.returncode == 0, result.stderr
   lines = [json.loads(line) for line in result.stdout.splitlines()]
