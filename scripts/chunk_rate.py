@@ -15,7 +15,7 @@ the test compares every axis's stride): such a chunk is copied, run by run, into
 buffer before it is written. The default chunks: one layer and one expert (as jmoe stores a
 stacked variable), one layer of all experts (contiguous in memory, but with an axis of length 1),
 two layers of all experts (contiguous, no such axis). The plain writes (`plain`) are files of 64
-MiB by `--threads` threads (0: two per core, as the save's pools). One JSON line per write; DIR is
+MiB by `--threads` threads (0: three per core, as a waited save's pools). One JSON line per write; DIR is
 removed at the end, and on an error.
 """
 
@@ -77,7 +77,7 @@ def main(argv=None) -> int:
       parser.error(f"--chunks: {','.join(map(str, chunk))} is not a chunk of an array of shape "
                    f"{','.join(map(str, shape))} (as many axes, none longer)")
   if args.threads < 0:
-    parser.error(f"--threads: 0 (two per core) or more, not {args.threads}")
+    parser.error(f"--threads: 0 (three per core) or more, not {args.threads}")
   if args.repeats < 1:
     parser.error(f"--repeats: 1 or more, not {args.repeats}")
   if args.dir.exists():

@@ -17,7 +17,7 @@ half the cores, then by one thread, alternately, as jmoe's StepRemover unlinks t
 freeing the pages is most of it). `--file-mib`:
 TensorStore's data file sizes (jmoe/checkpoint/writer.py DATA_FILE_BYTES); `--threads`: the
 threads of each of TensorStore's two pools for the save (`default`: jmoe's for the saves a run
-waits for, two per core; TensorStore's own pools take one copying thread per core);
+waits for, three per core; TensorStore's own pools take one copying thread per core);
 `--staging-gb`: `checkpoint.staging_gb` (0: the whole state to the host at once; above 0, parts
 of that many GB, each taken while the one before is written, and `save` returns written:
 `to_host_s` then holds the whole save); `--parts-gb`: the Checkpointer's `waited_parts_gb`, for

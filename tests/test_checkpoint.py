@@ -628,7 +628,7 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   """A save written in the background (training goes on beside it: copied on the devices first,
   or not where they lack room) writes through TensorStore pools of `write_threads` threads each,
   one context for all its arrays, compressed; one that training waits for (`waited`, or a
-  Checkpointer without async saves) through pools of two threads per core (or
+  Checkpointer without async saves) through pools of three threads per core (or
   `waited_write_threads`; None: TensorStore's own), uncompressed unless `compress_waited` (the
   zarr metadata on disk says which); all read back whole, the two kinds side by side in one
   directory. The default beside training leaves two of the cores this process may use to it."""
@@ -651,8 +651,8 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
   bounded = {"data_copy_concurrency": 3, "file_io_concurrency": 3}
   own = {"file_io_concurrency": 128}  # (Orbax's setting; data copies: one thread per core)
-  doubled = {"data_copy_concurrency": 2 * writer.host_cores(),
-             "file_io_concurrency": 2 * writer.host_cores()}  # (a waited save's: two per core)
+  tripled = {"data_copy_concurrency": 3 * writer.host_cores(),
+             "file_io_concurrency": 3 * writer.host_cores()}  # (a waited save's: three per core)
   in_background = Checkpointer(tmp_path / "a", keep=3, write_threads=3)
   in_foreground = Checkpointer(tmp_path / "f", keep=3, async_save=False, write_threads=3)
   compressing = Checkpointer(tmp_path / "c", keep=3, write_threads=3, compress_waited=True)
@@ -661,9 +661,9 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
   # (a save the caller waits for is never copied on the devices: it returns once on the host)
   cases = [(in_background, 1, real_copy, False, True, (bounded, True)),  # (copied on the devices)
            (in_background, 2, None, False, False, (bounded, True)),  # (no room: Orbax's own thread)
-           (in_background, 3, real_copy, True, False, (doubled, False)),  # (the run's last)
-           (in_foreground, 1, real_copy, False, False, (doubled, False)),
-           (compressing, 1, real_copy, True, False, (doubled, True)),  # (compress_waited)
+           (in_background, 3, real_copy, True, False, (tripled, False)),  # (the run's last)
+           (in_foreground, 1, real_copy, False, False, (tripled, False)),
+           (compressing, 1, real_copy, True, False, (tripled, True)),  # (compress_waited)
            (held, 1, real_copy, True, False,
             ({"data_copy_concurrency": 5, "file_io_concurrency": 5}, False)),
            (tensorstores, 1, real_copy, True, False, (own, False))]
@@ -687,7 +687,7 @@ def test_saves_beside_training_hold_tensorstore_to_their_threads(tmp_path, monke
     checkpointer.close()
   for cores, threads in ((16, 7), (64, 31), (3, 1), (2, 1), (1, 1)):
     monkeypatch.setattr(writer, "host_cores", lambda: cores)
-    assert writer.write_threads(0) == threads and writer.waited_threads(0) == 2 * cores
+    assert writer.write_threads(0) == threads and writer.waited_threads(0) == 3 * cores
   assert writer.write_threads(5) == 5 and writer.write_threads(None) is None
   assert writer.waited_threads(5) == 5 and writer.waited_threads(None) is None
   assert writer.host_cores() >= 1

@@ -77,7 +77,7 @@ class Checkpointer(CheckpointReader):
     a copy made on the devices goes to page-locked memory one array at a time, each waited for
     (else Orbax starts every array's transfer at once). Both for comparing the ways on a GPU
     (scripts/save_timeline.py). `waited_write_threads`: the threads of each of TensorStore's
-    pools for a save the caller waits for (0: two per core, writer.waited_threads; None:
+    pools for a save the caller waits for (0: three per core, writer.waited_threads; None:
     TensorStore's own; scripts/save_rate.py). `waited_parts_gb`: a save the caller waits for,
     not staged, takes the state to the host in parts of this many GB and writes each as soon as
     it is there, beside the parts before (0: every array on the host before the first is
@@ -229,7 +229,7 @@ class Checkpointer(CheckpointReader):
     `step`; returns before the write ends (with async saves not `waited` for, before the arrays
     reach the host where the devices have room for a copy of them). A step that is already
     saved is left as it is. `waited`: the caller waits for this save (a run's last), so its
-    write takes two threads per core (or `waited_write_threads`) and is compressed only with
+    write takes three threads per core (or `waited_write_threads`) and is compressed only with
     `compress_waited`, and it returns once written (its state taken to the host in parts as the
     write goes on: `staging_gb`, or else `waited_parts_gb`); else a write in the
     background is held to `write_threads` and compressed (jmoe/checkpoint/writer.py).

@@ -14,7 +14,7 @@ with TensorStore's defaults; 3.1 s and 22% with 7 threads).
 A save written in the background (`checkpoint.async_save`: training goes on beside it, whether the
 devices copy the state first or not) takes `checkpoint.write_threads` threads per pool (by
 default 7 there: the two pools together leave two cores) and is compressed (zstd); one that
-training waits for (a foreground save, the run's last, the one on a stop signal) takes two
+training waits for (a foreground save, the run's last, the one on a stop signal) takes three
 threads per core in each pool (`waited_threads`) and is written uncompressed (unless
 `checkpoint.compress_waited`), as nothing runs beside it: the 31.3 GiB state above took 3.9 s
 uncompressed against 6.3 compressed (TensorStore's own pools), for 39% more room on disk.
@@ -107,14 +107,17 @@ def write_threads(setting: int | None) -> int | None:
 def waited_threads(setting: int | None) -> int | None:
   """Threads for each of TensorStore's two pools in a write the caller waits for (nothing runs
   beside it): `setting` when above 0, None for TensorStore's own (a copying thread per core),
-  else two per core. A last save's write on an H100 host of 16 cores (2026-12-07, 24 GiB to
+  else three per core. A last save's write on an H100 host of 16 cores (2026-12-07, 24 GiB to
   /dev/shm, `scripts/save_rate.py --threads 16,32`) took 1.75 s with TensorStore's own pools
   and 1.43 s with 32 threads each; plain file writes of the same bytes ran at 25.1 GB/s from
   16 threads and 35.7 from 32: the host's cores are hyperthreads, and the copies into the page
-  cache go faster with two at a time on each."""
+  cache go faster with two at a time on each. The save in 1 GB parts (2026-12-08, another
+  H100 host of 16 cores, `--gib 24 --threads 16,32,48,64 --repeats 2`) took 2.50-2.76 s with 16
+  threads, 2.07-2.14 with 32, 1.95-1.97 with 48 and 2.00-2.07 with 64 (TensorStore copies
+  jmoe's chunks before writing them: docs/CHECKPOINTS.md)."""
   if setting is None or setting > 0:
     return setting
-  return 2 * host_cores()
+  return 3 * host_cores()
 
 
 def use_array_writer(threads: int | None = None, *, compressed: bool = True,
