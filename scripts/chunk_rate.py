@@ -15,8 +15,8 @@ the test compares every axis's stride): such a chunk is copied, run by run, into
 buffer before it is written. The default chunks: one layer and one expert (as jmoe stores a
 stacked variable), one layer of all experts (contiguous in memory, but with an axis of length 1),
 two layers of all experts (contiguous, no such axis). The plain writes (`plain`) are files of 64
-MiB by `--threads` threads (0: three per core, as a waited save's pools). One JSON line per write; DIR is
-removed at the end, and on an error.
+MiB by `--threads` threads (0: three per core, as a waited save's pools). One JSON line per
+write; DIR is removed at the end, and on an error.
 """
 
 from __future__ import annotations

@@ -25,9 +25,9 @@ Reading and restoring: `CheckpointReader` (jmoe/checkpoint/reader.py), which thi
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
-import functools
 import pathlib
 import threading
 import time
